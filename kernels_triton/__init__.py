@@ -1,0 +1,16 @@
+"""Triton backend (``triton``): the ops of :mod:`qwen35.ops` as Triton kernels.
+
+Imports only torch and triton. Ops not defined here fall back to the next backend in the
+probe's policy.
+"""
+
+from __future__ import annotations
+
+
+def availability(caps) -> str | None:  # noqa: ANN001 - qwen35.probe.DeviceCaps
+    """None when Triton kernels can run on the probed device, else why not."""
+    if not caps.triton_runs:
+        return caps.triton_note or "triton cannot run on this device"
+    if caps.vendor == "nvidia" and caps.capability is not None and caps.capability < (7, 0):
+        return f"compute capability {caps.capability} < 7.0"
+    return None

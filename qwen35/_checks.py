@@ -1,0 +1,107 @@
+"""Input checks used by the op façade. Each raises ``ValueError`` naming the value and what is accepted."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return ", ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def tensor(
+    name: str,
+    t: object,
+    *,
+    ndim: int | None = None,
+    dtypes: Sequence[torch.dtype] = FLOAT_DTYPES,
+    device: torch.device | None = None,
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Check one tensor argument: type, rank, dtype, device, contiguity."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {str(t.dtype).replace('torch.', '')}; accepted: {_dtype_names(dtypes)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    return t
+
+
+def optional(name: str, t: object, **kw) -> torch.Tensor | None:
+    return None if t is None else tensor(name, t, **kw)
+
+
+def shape(name: str, t: torch.Tensor, expected: Sequence[int | None]) -> None:
+    """Check a shape; ``None`` entries are free."""
+    ok = t.dim() == len(expected) and all(e is None or e == s for s, e in zip(t.shape, expected, strict=False))
+    if not ok:
+        want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
+        raise ValueError(f"{name} has shape {list(t.shape)}; expected {want}")
+
+
+def positive_int(name: str, value: object, *, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (maximum is not None and value > maximum):
+        bound = f"1..{maximum}" if maximum is not None else ">= 1"
+        raise ValueError(f"{name}={value!r} is not accepted; expected an int in {bound}")
+    return value
+
+
+def divisible(name_num: str, num: int, name_den: str, den: int) -> None:
+    if den <= 0 or num % den != 0:
+        raise ValueError(f"{name_num}={num} must be a positive multiple of {name_den}={den}")
+
+
+def value_checks_enabled(t: torch.Tensor) -> bool:
+    """Whether to read tensor *values* (which synchronises an accelerator).
+
+    Off while a CUDA graph is being captured (a sync would break the capture) and when
+    ``QWEN35_CHECK_VALUES=0``; on otherwise.
+    """
+    if os.environ.get("QWEN35_CHECK_VALUES", "1") == "0":
+        return False
+    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return False
+    return True
+
+
+def cu_seqlens(name: str, cu: torch.Tensor, total_tokens: int) -> int:
+    """Check offsets [N+1]: int32/int64, 1-D, starts at 0, non-decreasing, ends at T. Returns N."""
+    tensor(name, cu, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
+    if cu.numel() < 1:
+        raise ValueError(f"{name} must hold N+1 >= 1 offsets, got an empty tensor")
+    if value_checks_enabled(cu):
+        vals = cu.tolist()
+        if vals[0] != 0:
+            raise ValueError(f"{name}[0]={vals[0]}; offsets must start at 0")
+        for i in range(1, len(vals)):
+            if vals[i] < vals[i - 1]:
+                raise ValueError(
+                    f"{name} must be non-decreasing; {name}[{i}]={vals[i]} < {name}[{i - 1}]={vals[i - 1]}")
+        if vals[-1] != total_tokens:
+            raise ValueError(f"{name}[-1]={vals[-1]} must equal the number of tokens T={total_tokens}")
+    return cu.numel() - 1
+
+
+def slots(name: str, s: torch.Tensor, count: int, pool_size: int, pool_name: str) -> None:
+    """Check slot indices [count]: int32/int64; each in [0, pool_size) or negative (padding)."""
+    tensor(name, s, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)
+    shape(name, s, [count])
+    if value_checks_enabled(s) and s.numel():
+        hi = int(s.max())
+        if hi >= pool_size:
+            raise ValueError(f"{name} holds slot {hi}, but {pool_name} has {pool_size} slots "
+                             f"(valid 0..{pool_size - 1}, negative = padding)")
+        live = s[s >= 0]
+        if live.numel() != torch.unique(live).numel():
+            raise ValueError(f"{name} names a slot twice; each sequence needs its own state slot")

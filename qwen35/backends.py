@@ -1,0 +1,76 @@
+"""Backend registry: a small record per implementation of the op set.
+
+A backend is a module that defines some or all of the façade's op functions (same names, same
+signatures as :mod:`qwen35.reference`) and a function ``availability(caps) -> str | None`` that
+returns ``None`` when it can run on the probed device, else the reason it cannot. Ops a backend
+does not define fall back to the next backend in the policy (see :mod:`qwen35.probe`).
+Modules are imported only when the probe considers them, so importing :mod:`qwen35` pulls in
+nothing beyond torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import ModuleType
+
+OPS: tuple[str, ...] = (
+    "gdn_chunk_prefill",
+    "gdn_recurrent_step",
+    "causal_conv1d_prefill",
+    "causal_conv1d_update",
+    "rms_norm_gated",
+    "rms_norm_zero_centered",
+    "moe_route",
+    "moe_experts",
+    "moe_block",
+)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    module: str
+    summary: str
+
+
+_REGISTRY: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> None:
+    """Add (or replace) a backend record."""
+    _REGISTRY[backend.name] = backend
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def get(name: str) -> Backend:
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown backend {name!r}; registered: {', '.join(_REGISTRY)}")
+    return _REGISTRY[name]
+
+
+def load(name: str) -> ModuleType:
+    """Import a backend's module (ImportError propagates with its own message)."""
+    return importlib.import_module(get(name).module)
+
+
+def implementation(module: ModuleType, op: str) -> Callable | None:
+    fn = getattr(module, op, None)
+    return fn if callable(fn) else None
+
+
+for _b in (
+    Backend("reference", "qwen35.reference", "plain PyTorch, fp32 accumulation (fp64 for fp64 inputs)"),
+    Backend("triton", "kernels_triton", "Triton kernels (NVIDIA sm70+, Iluvatar; CPU only under TRITON_INTERPRET=1)"),
+    Backend("cuda_sm70", "kernels_cuda.sm70", "CUDA C++ restricted to SM70 features, JIT-built (fp16)"),
+    Backend("ixformer", "kernels_cuda.ixformer", "Iluvatar CoreX ixformer op library adapter"),
+):
+    register(_b)

@@ -1,0 +1,1 @@
+"""Serving kit: OpenAI server launcher, request-compat middleware, conformance and replay CLIs."""
