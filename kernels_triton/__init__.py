@@ -1,10 +1,14 @@
 """Triton backend (``triton``): the ops of :mod:`qwen35.ops` as Triton kernels.
 
 Imports only torch and triton. Ops not defined here fall back to the next backend in the
-probe's policy.
+probe's policy. Signatures and semantics are those of :mod:`qwen35.ops` (validation happens
+there, before dispatch).
 """
 
 from __future__ import annotations
+
+# --- GDN, causal conv1d, norms: ops exported here ---
+# --- MoE: ops exported here ---
 
 
 def availability(caps) -> str | None:  # noqa: ANN001 - qwen35.probe.DeviceCaps

@@ -1,0 +1,72 @@
+"""Per-device tuned kernel configs: lookup in the JSON files the tuner writes.
+
+Files live in ``tuning/configs/<device-slug>/<op>.json`` (package data of ``tuning``), or in
+``$QWEN35_CONFIG_DIR/<device-slug>/<op>.json`` which takes precedence. Format::
+
+    {"device": "NVIDIA H200", "op": "moe_gemm", "triton": "3.6.0",
+     "entries": {"<shape key>": {"<token bucket>": {"BLOCK_M": 64, ..., "num_warps": 4, "num_stages": 3}}}}
+
+``<shape key>`` is written by the op (e.g. ``"E=256,N=1024,K=2048,dtype=bfloat16"``); token
+buckets are integers as strings, and a lookup takes the bucket nearest in log-space. A missing
+file or key returns ``None`` and the op falls back to its documented heuristic (logged once).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import re
+from pathlib import Path
+
+log = logging.getLogger("qwen35.kernels_triton")
+
+
+def device_slug(name: str) -> str:
+    """'NVIDIA H200' -> 'nvidia_h200' (file-system safe)."""
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
+
+
+def _search_dirs() -> list[Path]:
+    dirs = []
+    if os.environ.get("QWEN35_CONFIG_DIR"):
+        dirs.append(Path(os.environ["QWEN35_CONFIG_DIR"]))
+    dirs.append(Path(__file__).resolve().parent.parent / "tuning" / "configs")
+    return dirs
+
+
+@functools.cache
+def _load(slug: str, op: str) -> dict | None:
+    for d in _search_dirs():
+        path = d / slug / f"{op}.json"
+        if path.is_file():
+            with open(path) as f:
+                return json.load(f)
+    return None
+
+
+_WARNED: set[tuple[str, str, str]] = set()
+
+
+def lookup(op: str, device_name: str, shape_key: str, tokens: int | None = None) -> dict | None:
+    """The tuned config for (op, device, shape) at ``tokens``, or None (and one INFO line) if absent."""
+    data = _load(device_slug(device_name), op)
+    entry = (data or {}).get("entries", {}).get(shape_key)
+    if not entry:
+        tag = (op, device_name, shape_key)
+        if tag not in _WARNED:
+            _WARNED.add(tag)
+            log.info("qwen35: no tuned %s config for %s on %s; using the heuristic", op, shape_key, device_name)
+        return None
+    if tokens is None or len(entry) == 1:
+        return next(iter(entry.values()))
+    target = math.log(max(tokens, 1))
+    best = min(entry, key=lambda b: abs(math.log(max(int(b), 1)) - target))
+    return entry[best]
+
+
+def clear_cache() -> None:
+    _load.cache_clear()
+    _WARNED.clear()
