@@ -301,7 +301,8 @@ def choose(op: str, device: torch.device | str | None = None) -> Choice:
         if name != "reference":
             why += f"; {note}"
         elif caps.vendor == "cpu" and len(order) == 1:
-            why = f"CPU device: the reference is the only backend for CPU ({caps.triton_note})"
+            why = ("CPU device: policy 'cpu' lists only the reference (GPU backends need an accelerator; "
+                   "Triton runs on CPU only in its interpreter, for tests)")
         return _remember(key, Choice(op, key[1], name, why, err, rejected), fn)
     raise RuntimeError(f"no backend can run {op} on {key[1]}: " + "; ".join(f"{r}: {w}" for r, w in rejected))
 

@@ -9,8 +9,9 @@ import torch.nn.functional as F
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns (weights fp32 [M, k], ids int32 [M, k]); ties go to the lowest expert id."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
+    """Returns (weights fp32 [M, k] (fp64 for fp64 logits), ids int32 [M, k]); ties go to the lowest id."""
+    dt = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    probs = torch.softmax(router_logits.to(dt), dim=-1)
     # A stable descending sort keeps equal probabilities in id order, so ties resolve to the lowest id.
     values, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
     weights, ids = values[:, :top_k], ids[:, :top_k]

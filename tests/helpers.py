@@ -1,0 +1,48 @@
+"""Small helpers shared by the op tests: relative error with a readable failure, random GDN inputs."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64; inf if out has any non-finite value."""
+    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
+    assert out.shape == ref.shape, f"shape {tuple(out.shape)} != reference {tuple(ref.shape)}"
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output") -> None:
+    err = rel_err(out, ref)
+    assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.1e} (ratio {err / tol:.2f}x)"
+
+
+def cu_from_lens(lens: list[int], device: str | torch.device = "cpu") -> torch.Tensor:
+    offsets = [0]
+    for n in lens:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32, device=device)
+
+
+def gdn_inputs(T: int, H: int, HV: int, K: int, V: int, *, dtype=torch.float32, device="cpu", seed=0,
+               decay: str = "normal", raw: bool = False, batch: tuple[int, ...] = ()) -> dict:
+    """Random q/k/v plus gating; ``decay`` 'weak' | 'normal' | 'strong'; ``raw`` gives a/b/A_log/dt_bias."""
+    gen = torch.Generator().manual_seed(seed)
+    lead = (*batch, T)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    d = dict(q=rnd(*lead, H, K), k=rnd(*lead, H, K), v=rnd(*lead, HV, V))
+    if raw:
+        d.update(a=rnd(*lead, HV), b=rnd(*lead, HV),
+                 A_log=(torch.randn(HV, generator=gen) * 0.5).to(device),
+                 dt_bias=(torch.randn(HV, generator=gen) * 0.5).to(device))
+    else:
+        lo, hi = {"weak": (0.0, 0.05), "normal": (0.0, 1.0), "strong": (3.0, 10.0)}[decay]
+        g = -(lo + (hi - lo) * torch.rand(*lead, HV, generator=gen))
+        d.update(g=g.to(device=device, dtype=torch.float32),
+                 beta=torch.rand(*lead, HV, generator=gen).to(device=device, dtype=dtype))
+    return d
