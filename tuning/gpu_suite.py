@@ -1,0 +1,85 @@
+"""The whole GPU suite in one call: probe report, GPU tests, benchmarks; JSON + a short table under --out.
+
+    python -m tuning.gpu_suite --out $OUT            # everything
+    python -m tuning.gpu_suite --out $OUT --only tests,gdn --quick
+
+Parts: ``probe`` (qwen35-probe --json), ``tests`` (pytest -m gpu), ``gdn``, ``moe``, ``model``
+(the benchmarks in tuning/bench_*.py). Each part runs in its own subprocess so one crash does
+not lose the others; a part whose module is absent is reported as skipped. Writes
+``suite.json`` (status + wall time per part), ``suite.log`` (every part's output), ``probe.json``
+and each benchmark's own JSON; the status table is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+PARTS = ("probe", "tests", "gdn", "moe", "model")
+
+
+def _command(part: str, out: Path, quick: bool) -> list[str] | None:
+    py = sys.executable
+    if part == "probe":
+        return [py, "-m", "qwen35.probe", "--json"]
+    if part == "tests":
+        return [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+    module = f"tuning.bench_{part}"
+    if importlib.util.find_spec(module) is None:
+        return None
+    return [py, "-m", module, "--out", str(out)] + (["--quick"] if quick else [])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_suite", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for JSON results and logs")
+    ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    ap.add_argument("--quick", action="store_true", help="benchmarks run their reduced shape sets")
+    ap.add_argument("--part-timeout", type=int, default=540, help="seconds per part before it is killed")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [p for p in args.only.split(",") if p]
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    summary = []
+    for part in parts:
+        cmd = _command(part, out, args.quick)
+        if cmd is None:
+            summary.append({"part": part, "status": "skipped (module absent)", "seconds": 0.0})
+            continue
+        t0 = time.time()
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout, env=env)
+            status, text = ("ok" if proc.returncode == 0 else f"exit {proc.returncode}"), proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as e:
+            status = f"timeout after {args.part_timeout}s"
+            text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        secs = time.time() - t0
+        if part == "probe" and status == "ok":
+            (out / "probe.json").write_text(proc.stdout)
+        else:
+            with open(out / "suite.log", "a") as log:  # one log file: the device returns at most 8 files
+                log.write(f"===== {part}: {status} in {secs:.0f}s\n{text}\n")
+        tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] if text.strip() else [""]
+        summary.append({"part": part, "status": status, "seconds": round(secs, 1), "last_line": tail[0][:160]})
+        print(f"[gpu_suite] {part}: {status} in {secs:.0f}s", flush=True)
+        if part != "probe":
+            print(text[-6000:], flush=True)
+    (out / "suite.json").write_text(json.dumps(summary, indent=1))
+    table = "\n".join(f"{s['part']:<6} {s['status']:<28} {s['seconds']:>7.1f}s  {s.get('last_line', '')}"
+                      for s in summary)
+    print("\n" + table)
+    return 0 if all(s["status"] in ("ok",) or s["status"].startswith("skipped") for s in summary) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
