@@ -1,0 +1,411 @@
+"""The Qwen3.5 text decoder (dense and MoE), one definition for every host.
+
+Reads top to bottom in the order data flows: token embedding -> N decoder layers (a Gated
+DeltaNet or a gated full-attention mixer, then a dense MLP or a sparse MoE, each behind a
+zero-centred RMSNorm with the residual carried alongside) -> final norm -> LM head.
+
+Tokens are flattened: one forward takes ``input_ids [T]`` and ``positions [T]`` for a whole
+batch of sequences. All numerics go through the op façade :mod:`qwen35.ops`; the only plain
+torch here are the projections (matmuls), the rotary embedding, the attention output gate and the
+dense MLP's SiLU·mul.
+
+What a host supplies (:class:`Host`), so the model never knows which one runs it:
+
+- ``parallel``: tensor-parallel rank/size and the two collectives. Every projection, the GDN
+  heads, the attention heads, the experts and the vocabulary are sharded by it; size 1 means
+  plain, unsharded layers.
+- ``attention(...)``: the full-attention implementation for one layer, with its own KV cache
+  (standalone: SDPA over per-sequence buffers; vLLM: vLLM's paged ``Attention``). It is called
+  as ``attn(q, k, v) -> o`` on ``[T, heads * head_dim]`` tensors (q/k already normed and rotated)
+  and knows the batch layout from the host.
+- ``gdn_state(...)``: the state caches of one GDN layer. ``run(core, qkv, a, b, out)`` hands the
+  layer's :meth:`GatedDeltaNet.core` a :class:`GDNStep` (conv pool, recurrent-state pool and the
+  batch layout) for this forward; the vLLM host routes that call through an opaque custom op.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen35 import ops
+from qwen35.config import Qwen35Config
+
+# ----------------------------------------------------------------------------- host contract
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """Tensor parallelism as the model sees it: this rank, the group size and the collectives."""
+
+    rank: int = 0
+    size: int = 1
+    all_reduce: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    all_gather_last_dim: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+
+    def split(self, n: int, what: str) -> tuple[int, int]:
+        """(start, count) of this rank's even share of ``n`` items."""
+        if n % self.size:
+            raise ValueError(f"{what}={n} is not divisible by tensor parallel size {self.size}")
+        share = n // self.size
+        return self.rank * share, share
+
+
+@dataclass
+class GDNStep:
+    """One forward's view of a GDN layer's caches and batch layout.
+
+    Tokens are ordered decode rows first (one token each), then the prefill tokens, then any
+    padding the host added (left untouched). Slots index the pools; a negative slot is padding.
+    """
+
+    conv_pool: torch.Tensor  # [slots, conv_dim_local, W - 1], activation dtype
+    state_pool: torch.Tensor  # [slots, HV_local, K, V], fp32
+    num_decodes: int
+    decode_slots: torch.Tensor | None  # [num_decodes]
+    num_prefill_tokens: int
+    prefill_cu_seqlens: torch.Tensor | None  # [num_prefills + 1], offsets within the prefill tokens
+    prefill_slots: torch.Tensor | None  # [num_prefills]
+    prefill_has_initial_state: torch.Tensor | None  # [num_prefills] bool
+    prefill_metadata: object | None = None  # ops.prepare_gdn_metadata(prefill_cu_seqlens), shared by all layers
+
+
+class GDNState(Protocol):
+    def run(self, core: Callable[..., None], qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+            out: torch.Tensor) -> None: ...
+
+
+class Host(Protocol):
+    parallel: Parallel
+
+    def attention(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  scale: float) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]: ...
+
+    def gdn_state(self, layer_idx: int, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
+                  conv_dtype: torch.dtype) -> GDNState: ...
+
+
+_REPORTED: set[str] = set()
+
+
+def report_backends_once(device: torch.device | str, log: logging.Logger) -> None:
+    """Hosts call this at start: logs the probe's per-op backend table once per process and device."""
+    key = str(device)
+    if key in _REPORTED:
+        return
+    _REPORTED.add(key)
+    from qwen35 import probe
+
+    log.info("qwen35 backends on %s:\n%s", key, probe.format_report(probe.report(device)))
+
+
+# ----------------------------------------------------------------------------- local (per-rank) sizes
+
+
+@dataclass(frozen=True)
+class Shards:
+    """Sizes this rank holds: the one place the model and the weight loader agree on."""
+
+    heads: int  # attention query heads
+    kv_heads: int
+    kv_head_start: int  # first global kv head held here (kv heads replicate when tp > kv heads)
+    gdn_key_heads: int
+    gdn_value_heads: int
+    mlp: int  # dense intermediate, or routed-expert intermediate for MoE
+    shared_mlp: int
+    vocab: int  # rows of the (padded) vocabulary shard
+    vocab_start: int
+
+    @classmethod
+    def of(cls, cfg: Qwen35Config, par: Parallel) -> Shards:
+        cfg.check_tensor_parallel(par.size)
+        kv = cfg.num_key_value_heads
+        if kv >= par.size:
+            kv_start, kv_local = par.split(kv, "num_key_value_heads")
+        else:  # fewer kv heads than ranks: each kv head is replicated on size // kv ranks
+            kv_start, kv_local = par.rank // (par.size // kv), 1
+        vocab_local = -(-cfg.vocab_size // par.size)  # padded so every rank holds the same number of rows
+        return cls(
+            heads=cfg.num_attention_heads // par.size,
+            kv_heads=kv_local,
+            kv_head_start=kv_start,
+            gdn_key_heads=cfg.linear_num_key_heads // par.size,
+            gdn_value_heads=cfg.linear_num_value_heads // par.size,
+            mlp=(cfg.moe_intermediate_size if cfg.is_moe else cfg.intermediate_size) // par.size,
+            shared_mlp=cfg.shared_expert_intermediate_size // par.size,
+            vocab=vocab_local,
+            vocab_start=par.rank * vocab_local,
+        )
+
+
+def _param(*shape: int, dtype: torch.dtype | None, device=None) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
+
+
+class Linear(nn.Module):
+    """``y = x W^T`` with this rank's slice of W; ``reduce`` all-reduces a row-parallel result."""
+
+    def __init__(self, in_features: int, out_features: int, *, dtype, device, reduce: Parallel | None = None):
+        super().__init__()
+        self.weight = _param(out_features, in_features, dtype=dtype, device=device)
+        self._reduce = reduce
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        return self._reduce.all_reduce(y) if self._reduce is not None and self._reduce.size > 1 else y
+
+
+def _norm(weight: torch.Tensor, eps: float, x: torch.Tensor, residual: torch.Tensor | None):
+    """Zero-centred RMSNorm; with a residual, also returns the new residual ``x + residual``."""
+    if residual is None:
+        return ops.rms_norm_zero_centered(x, weight, eps), x
+    return ops.rms_norm_zero_centered(x, weight, eps, residual)
+
+
+# ----------------------------------------------------------------------------- embedding
+
+
+class VocabEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across ranks (rows outside this shard give zeros)."""
+
+    def __init__(self, cfg: Qwen35Config, sh: Shards, par: Parallel, *, dtype, device):
+        super().__init__()
+        self.weight = _param(sh.vocab, cfg.hidden_size, dtype=dtype, device=device)
+        self.start, self.par = sh.vocab_start, par
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.par.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start
+        inside = (local >= 0) & (local < self.weight.shape[0])
+        out = F.embedding(local.clamp(0, self.weight.shape[0] - 1), self.weight) * inside[:, None].to(self.weight.dtype)
+        return self.par.all_reduce(out)
+
+
+# ----------------------------------------------------------------------------- rotary embedding
+
+
+class Rotary:
+    """Partial NeoX-style RoPE on the first ``rotary_dim`` dims of each head.
+
+    Text-only inputs give all three mrope position rows the same value, so the interleaved mrope
+    of the multimodal checkpoints reduces to this plain RoPE.
+    """
+
+    def __init__(self, cfg: Qwen35Config):
+        self.dim = cfg.rotary_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 ``[T, rotary_dim / 2]`` each."""
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        return freqs.cos(), freqs.sin()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x ``[T, heads, D]``; rotates the first ``dim`` dims (halves paired), passes the rest through."""
+        half = self.dim // 2
+        xf = x[..., : self.dim].to(torch.float32)
+        x1, x2 = xf[..., :half], xf[..., half:]
+        c, s = cos[:, None, :], sin[:, None, :]
+        rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+        return torch.cat([rotated, x[..., self.dim:]], dim=-1)
+
+
+# ----------------------------------------------------------------------------- token mixers
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: projections -> causal conv1d -> gated delta rule -> gated RMSNorm -> out proj.
+
+    ``in_proj`` stacks this rank's rows of HF's in_proj_qkv (q, k, v heads), in_proj_z,
+    in_proj_b and in_proj_a, so one matmul feeds the layer.
+    """
+
+    def __init__(self, cfg: Qwen35Config, layer_idx: int, sh: Shards, host: Host, *, dtype, device):
+        super().__init__()
+        self.H, self.HV = sh.gdn_key_heads, sh.gdn_value_heads
+        self.K, self.V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.eps = cfg.rms_norm_eps
+        self.conv_dim = 2 * self.H * self.K + self.HV * self.V
+        self.splits = [self.conv_dim, self.HV * self.V, self.HV, self.HV]  # qkv | z | b | a
+        self.in_proj = Linear(cfg.hidden_size, sum(self.splits), dtype=dtype, device=device)
+        self.conv1d_weight = _param(self.conv_dim, cfg.linear_conv_kernel_dim, dtype=dtype, device=device)
+        self.A_log = _param(self.HV, dtype=torch.float32, device=device)
+        self.dt_bias = _param(self.HV, dtype=torch.float32, device=device)
+        self.norm_weight = _param(self.V, dtype=dtype, device=device)
+        self.out_proj = Linear(self.HV * self.V, cfg.hidden_size, dtype=dtype, device=device, reduce=host.parallel)
+        conv_dtype = dtype if dtype is not None else torch.get_default_dtype()
+        self.state = host.gdn_state(layer_idx, (self.conv_dim, cfg.linear_conv_kernel_dim - 1),
+                                    (self.HV, self.K, self.V), conv_dtype)
+
+    def forward(self, x: torch.Tensor, rope: object = None) -> torch.Tensor:
+        T = x.shape[0]
+        qkv, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
+        out = torch.zeros(T, self.HV, self.V, dtype=x.dtype, device=x.device)
+        self.state.run(self.core, qkv.contiguous(), a.contiguous(), b.contiguous(), out)
+        out = ops.rms_norm_gated(out, z.reshape(T, self.HV, self.V).contiguous(), self.norm_weight, self.eps)
+        return self.out_proj(out.view(T, -1))
+
+    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = x.split([self.H * self.K, self.H * self.K, self.HV * self.V], dim=-1)
+        n = x.shape[0]
+        return (q.reshape(n, self.H, self.K).contiguous(), k.reshape(n, self.H, self.K).contiguous(),
+                v.reshape(n, self.HV, self.V).contiguous())
+
+    def core(self, step: GDNStep, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        """Conv + delta rule for one forward, writing ``out [T, HV, V]`` in place (decode rows, then prefills)."""
+        nd = step.num_decodes
+        if nd:
+            x = ops.causal_conv1d_update(qkv[:nd], self.conv1d_weight, conv_pool=step.conv_pool,
+                                         conv_slots=step.decode_slots)
+            q, k, v = self._heads(x)
+            o = ops.gdn_recurrent_step(
+                q[:, None], k[:, None], v[:, None], state_pool=step.state_pool, state_slots=step.decode_slots,
+                a=a[:nd, None], b=b[:nd, None], A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm=True)
+            out[:nd] = o[:, 0]
+        if step.num_prefill_tokens:
+            s, e = nd, nd + step.num_prefill_tokens
+            x = ops.causal_conv1d_prefill(qkv[s:e], self.conv1d_weight, cu_seqlens=step.prefill_cu_seqlens,
+                                          conv_pool=step.conv_pool, conv_slots=step.prefill_slots,
+                                          has_initial_state=step.prefill_has_initial_state)
+            q, k, v = self._heads(x)
+            o, _ = ops.gdn_chunk_prefill(
+                q, k, v, a=a[s:e], b=b[s:e], A_log=self.A_log, dt_bias=self.dt_bias,
+                cu_seqlens=step.prefill_cu_seqlens, state_pool=step.state_pool, state_slots=step.prefill_slots,
+                has_initial_state=step.prefill_has_initial_state, use_qk_l2norm=True,
+                metadata=step.prefill_metadata)
+            out[s:e] = o
+
+
+class GatedAttention(nn.Module):
+    """Full attention with per-head q/k norms, partial RoPE and a sigmoid output gate.
+
+    ``qkv_proj`` stacks this rank's rows of q_proj (per head: ``head_dim`` query rows then
+    ``head_dim`` gate rows, as HF lays them out), k_proj and v_proj.
+    """
+
+    def __init__(self, cfg: Qwen35Config, layer_idx: int, sh: Shards, host: Host, *, dtype, device):
+        super().__init__()
+        self.H, self.KV, self.D = sh.heads, sh.kv_heads, cfg.head_dim
+        self.eps = cfg.rms_norm_eps
+        self.splits = [self.H * 2 * self.D, self.KV * self.D, self.KV * self.D]
+        self.qkv_proj = Linear(cfg.hidden_size, sum(self.splits), dtype=dtype, device=device)
+        self.q_norm_weight = _param(self.D, dtype=dtype, device=device)
+        self.k_norm_weight = _param(self.D, dtype=dtype, device=device)
+        self.o_proj = Linear(self.H * self.D, cfg.hidden_size, dtype=dtype, device=device, reduce=host.parallel)
+        self.attn = host.attention(layer_idx, self.H, self.KV, self.D, self.D**-0.5)
+
+    def forward(self, x: torch.Tensor, rope: tuple[Rotary, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        T = x.shape[0]
+        qg, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
+        q, gate = qg.reshape(T, self.H, 2 * self.D).chunk(2, dim=-1)
+        q = ops.rms_norm_zero_centered(q.contiguous(), self.q_norm_weight, self.eps)
+        k = ops.rms_norm_zero_centered(k.reshape(T, self.KV, self.D).contiguous(), self.k_norm_weight, self.eps)
+        rotary, cos, sin = rope
+        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.contiguous())
+        o = o.view(T, self.H, self.D) * torch.sigmoid(gate)
+        return self.o_proj(o.reshape(T, -1))
+
+
+# ----------------------------------------------------------------------------- MLPs
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: Qwen35Config, sh: Shards, par: Parallel, *, dtype, device):
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * sh.mlp, dtype=dtype, device=device)
+        self.down_proj = Linear(sh.mlp, cfg.hidden_size, dtype=dtype, device=device, reduce=par)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class SparseMoE(nn.Module):
+    """Softmax top-k routed experts plus the sigmoid-gated shared expert (experts split by I under TP)."""
+
+    def __init__(self, cfg: Qwen35Config, sh: Shards, par: Parallel, *, dtype, device):
+        super().__init__()
+        E, H = cfg.num_experts, cfg.hidden_size
+        self.top_k, self.renormalize, self.par = cfg.num_experts_per_tok, cfg.norm_topk_prob, par
+        self.router_weight = _param(E, H, dtype=dtype, device=device)
+        self.w13 = _param(E, 2 * sh.mlp, H, dtype=dtype, device=device)
+        self.w2 = _param(E, H, sh.mlp, dtype=dtype, device=device)
+        self.has_shared = cfg.shared_expert_intermediate_size > 0
+        if self.has_shared:
+            self.shared_w13 = _param(2 * sh.shared_mlp, H, dtype=dtype, device=device)
+            self.shared_w2 = _param(H, sh.shared_mlp, dtype=dtype, device=device)
+            self.shared_gate_weight = _param(1, H, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shared = dict(shared_w13=self.shared_w13, shared_w2=self.shared_w2,
+                      shared_gate_weight=self.shared_gate_weight) if self.has_shared else {}
+        y = ops.moe_block(x, self.router_weight, self.w13, self.w2, self.top_k, renormalize=self.renormalize, **shared)
+        return self.par.all_reduce(y) if self.par.size > 1 else y
+
+
+# ----------------------------------------------------------------------------- decoder
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen35Config, layer_idx: int, sh: Shards, host: Host, *, dtype, device):
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_idx]
+        self.eps = cfg.rms_norm_eps
+        self.input_norm_weight = _param(cfg.hidden_size, dtype=dtype, device=device)
+        mixer = GatedDeltaNet if self.layer_type == "linear_attention" else GatedAttention
+        self.mixer = mixer(cfg, layer_idx, sh, host, dtype=dtype, device=device)
+        self.post_norm_weight = _param(cfg.hidden_size, dtype=dtype, device=device)
+        mlp = SparseMoE if cfg.is_moe else DenseMLP
+        self.mlp = mlp(cfg, sh, host.parallel, dtype=dtype, device=device)
+
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = _norm(self.input_norm_weight, self.eps, h, residual)
+        x = self.mixer(x, rope)
+        x, residual = _norm(self.post_norm_weight, self.eps, x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen35Model(nn.Module):
+    """The whole decoder. ``forward`` returns final-normed hidden states; ``logits`` applies the LM head."""
+
+    def __init__(self, cfg: Qwen35Config, host: Host, *, dtype: torch.dtype | None = None, device=None):
+        super().__init__()
+        self.cfg, self.par = cfg, host.parallel
+        self.shards = sh = Shards.of(cfg, host.parallel)
+        self.embed_tokens = VocabEmbedding(cfg, sh, host.parallel, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, sh, host, dtype=dtype, device=device) for i in range(cfg.num_hidden_layers))
+        self.norm_weight = _param(cfg.hidden_size, dtype=dtype, device=device)
+        if not cfg.tie_word_embeddings:
+            self.lm_head_weight = _param(sh.vocab, cfg.hidden_size, dtype=dtype, device=device)
+        self.rotary = Rotary(cfg)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions ``[T]`` (mrope positions ``[3, T]`` are accepted; text rows are equal)."""
+        if positions.dim() == 2:
+            positions = positions[0]
+        h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rotary.cos_sin(positions)
+        rope = (self.rotary, cos, sin)
+        residual = None
+        for layer in self.layers:
+            h, residual = layer(h, residual, rope)
+        h, _ = ops.rms_norm_zero_centered(h, self.norm_weight, self.cfg.rms_norm_eps, residual)
+        return h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, vocab_size]`` logits in the hidden dtype (vocab shards gathered across ranks)."""
+        weight = self.embed_tokens.weight if self.cfg.tie_word_embeddings else self.lm_head_weight
+        out = F.linear(hidden, weight)
+        if self.par.size > 1:
+            out = self.par.all_gather_last_dim(out)
+        return out[..., : self.cfg.vocab_size]

@@ -1,0 +1,299 @@
+"""Standalone host: runs :class:`qwen35.model.Qwen35Model` without vLLM.
+
+Loads an HF checkpoint directory, keeps per-sequence caches in fixed slots (a KV buffer per
+full-attention layer, a conv pool and a recurrent-state pool per GDN layer) and runs batched
+steps in which every sequence brings any number of new tokens (prefill, chunked prefill or
+decode). :meth:`Qwen35Standalone.generate` does greedy or sampled generation on top.
+
+    m = Qwen35Standalone.from_pretrained("ckpt/", device="cuda", dtype=torch.bfloat16)
+    out = m.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from qwen35 import ops
+from qwen35.checkpoint import load_checkpoint, load_weights
+from qwen35.config import Qwen35Config
+from qwen35.model import GDNStep, Parallel, Qwen35Model, report_backends_once
+
+log = logging.getLogger("qwen35.standalone")
+
+
+@dataclass
+class _Batch:
+    """The layout of one step, shared by every layer: decode rows first, then prefill rows."""
+
+    num_decodes: int
+    decode_slots: torch.Tensor  # [nd] (device)
+    decode_slot_range: tuple[int, int] | None  # (first, count) when the decode slots are consecutive
+    decode_len: int  # keys the longest decode row attends to
+    decode_mask: torch.Tensor | None  # [nd, 1, 1, decode_len] bool
+    prefills: list[tuple[int, int, int, int]]  # (slot, context, new tokens, first token row)
+    token_slots: torch.Tensor  # [T] slot of every token
+    token_positions: torch.Tensor  # [T]
+    gdn: dict  # batch fields of GDNStep
+
+
+class SlotAttention(nn.Module):
+    """Full attention over per-slot KV buffers ``[slots, kv_heads, max_len, head_dim]``, via SDPA."""
+
+    def __init__(self, host: StandaloneHost, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.host, self.H, self.KV, self.D, self.scale = host, num_heads, num_kv_heads, head_dim, scale
+        shape = (host.max_seqs, num_kv_heads, host.max_len, head_dim)
+        self.k_cache = torch.zeros(shape, dtype=host.dtype, device=host.device)
+        self.v_cache = torch.zeros(shape, dtype=host.dtype, device=host.device)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b = self.host.batch
+        T, H, KV, D = q.shape[0], self.H, self.KV, self.D
+        self.k_cache[b.token_slots, :, b.token_positions] = k.view(T, KV, D)
+        self.v_cache[b.token_slots, :, b.token_positions] = v.view(T, KV, D)
+        out = q.new_empty(T, H * D)
+        nd = b.num_decodes
+        if nd:
+            # One query per row: group the query heads by kv head so no kv repeat is needed.
+            qd = q[:nd].view(nd, KV, H // KV, D)
+            if b.decode_slot_range is not None:
+                first, count = b.decode_slot_range
+                keys = self.k_cache[first:first + count, :, : b.decode_len]
+                values = self.v_cache[first:first + count, :, : b.decode_len]
+            else:
+                keys = self.k_cache[:, :, : b.decode_len][b.decode_slots]
+                values = self.v_cache[:, :, : b.decode_len][b.decode_slots]
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=b.decode_mask, scale=self.scale)
+            out[:nd] = o.reshape(nd, H * D)
+        for slot, ctx, n, row in b.prefills:
+            qs = q[row:row + n].view(n, H, D).transpose(0, 1)[None]
+            keys = self.k_cache[slot, :, : ctx + n][None]
+            values = self.v_cache[slot, :, : ctx + n][None]
+            if ctx == 0:
+                o = F.scaled_dot_product_attention(qs, keys, values, is_causal=True, scale=self.scale,
+                                                   enable_gqa=H != KV)
+            else:  # continuing a sequence: query i sees keys 0 .. ctx + i
+                key_pos = torch.arange(ctx + n, device=q.device)
+                mask = key_pos[None, :] <= (ctx + torch.arange(n, device=q.device))[:, None]
+                o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale,
+                                                   enable_gqa=H != KV)
+            out[row:row + n] = o[0].transpose(0, 1).reshape(n, H * D)
+        return out
+
+
+class SlotGDNState:
+    """Conv and recurrent-state pools of one GDN layer, one slot per sequence."""
+
+    def __init__(self, host: StandaloneHost, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
+                 conv_dtype: torch.dtype):
+        self.host = host
+        self.conv_pool = torch.zeros(host.max_seqs, *conv_shape, dtype=conv_dtype, device=host.device)
+        self.state_pool = torch.zeros(host.max_seqs, *state_shape, dtype=torch.float32, device=host.device)
+
+    def run(self, core, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        step = GDNStep(conv_pool=self.conv_pool, state_pool=self.state_pool, **self.host.batch.gdn)
+        core(step, qkv, a, b, out)
+
+
+class StandaloneHost:
+    """What the model needs from its host: no tensor parallelism, SDPA attention, slot pools."""
+
+    parallel = Parallel()
+
+    def __init__(self, *, device: torch.device, dtype: torch.dtype, max_seqs: int, max_len: int):
+        self.device, self.dtype, self.max_seqs, self.max_len = device, dtype, max_seqs, max_len
+        self.batch: _Batch | None = None
+
+    def attention(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  scale: float) -> SlotAttention:
+        return SlotAttention(self, num_heads, num_kv_heads, head_dim, scale)
+
+    def gdn_state(self, layer_idx: int, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
+                  conv_dtype: torch.dtype) -> SlotGDNState:
+        return SlotGDNState(self, conv_shape, state_shape, conv_dtype)
+
+
+class Qwen35Standalone:
+    """A loaded model with per-sequence caches; see the module docstring."""
+
+    def __init__(self, cfg: Qwen35Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+                 max_seqs: int = 8, max_len: int = 4096):
+        if max_seqs < 1 or max_len < 1:
+            raise ValueError(f"max_seqs={max_seqs} and max_len={max_len} must be >= 1")
+        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        report_backends_once(self.device, log)
+        self.host = StandaloneHost(device=self.device, dtype=dtype, max_seqs=max_seqs, max_len=max_len)
+        with torch.device(self.device):
+            self.model = Qwen35Model(cfg, self.host, dtype=dtype, device=self.device)
+        self.model.eval()
+        self.lengths = [0] * max_seqs
+        self.free = list(range(max_seqs))
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike, **kw) -> Qwen35Standalone:
+        """Build from an HF checkpoint directory (config.json + safetensors)."""
+        m = cls(Qwen35Config.from_dir(path), **kw)
+        with torch.no_grad():
+            load_checkpoint(m.model, path)
+        return m
+
+    def load_state(self, weights) -> None:
+        """Load (name, tensor) pairs under HF checkpoint names (e.g. an HF model's state_dict().items())."""
+        with torch.no_grad():
+            load_weights(self.model, weights)
+
+    # ---------------------------------------------------------------- sequences
+
+    def allocate(self, n: int) -> list[int]:
+        """Reserve ``n`` fresh sequence slots (lowest first)."""
+        if n > len(self.free):
+            raise ValueError(f"asked for {n} sequences but only {len(self.free)} of {self.host.max_seqs} "
+                             "slots are free")
+        self.free.sort()
+        slots, self.free = self.free[:n], self.free[n:]
+        for s in slots:
+            self.lengths[s] = 0
+        return slots
+
+    def release(self, slots: list[int]) -> None:
+        for s in slots:
+            if s not in self.free:
+                self.free.append(s)
+
+    # ---------------------------------------------------------------- one step
+
+    def _layout(self, slots: list[int], tokens: list[list[int]]) -> tuple[list[int], _Batch, list[int]]:
+        if len(slots) != len(tokens):
+            raise ValueError(f"{len(slots)} slots but {len(tokens)} token lists")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots repeat in one step: {slots}")
+        for s, toks in zip(slots, tokens, strict=True):
+            if not 0 <= s < self.host.max_seqs or s in self.free:
+                raise ValueError(f"slot {s} is not an allocated sequence")
+            if not toks:
+                raise ValueError(f"sequence in slot {s} brings no tokens")
+            if self.lengths[s] + len(toks) > self.host.max_len:
+                raise ValueError(f"sequence in slot {s} would reach {self.lengths[s] + len(toks)} tokens; "
+                                 f"max_len={self.host.max_len}")
+        is_decode = [len(t) == 1 and self.lengths[s] > 0 for s, t in zip(slots, tokens, strict=True)]
+        order = [i for i in range(len(slots)) if is_decode[i]] + [i for i in range(len(slots)) if not is_decode[i]]
+        nd = sum(is_decode)
+        dev = self.device
+        ids, tok_slots, tok_pos, prefills, row = [], [], [], [], 0
+        for i in order:
+            s, toks, ctx = slots[i], tokens[i], self.lengths[slots[i]]
+            ids += toks
+            tok_slots += [s] * len(toks)
+            tok_pos += range(ctx, ctx + len(toks))
+            if not is_decode[i]:
+                prefills.append((s, ctx, len(toks), row))
+            row += len(toks)
+        dslots = [slots[i] for i in order[:nd]]
+        consecutive = nd > 0 and dslots == list(range(dslots[0], dslots[0] + nd))
+        decode_lens = [self.lengths[s] + 1 for s in dslots]
+        decode_len = max(decode_lens, default=0)
+        mask = None
+        if nd:
+            mask = (torch.arange(decode_len, device=dev)[None, :] < torch.tensor(decode_lens, device=dev)[:, None])
+            mask = mask[:, None, None, :]
+        def i32(x):
+            return torch.tensor(x, dtype=torch.int32, device=dev)
+        p_lens = [n for _, _, n, _ in prefills]
+        cu = [0]
+        for n in p_lens:
+            cu.append(cu[-1] + n)
+        gdn = dict(
+            num_decodes=nd, decode_slots=i32(dslots) if nd else None,
+            num_prefill_tokens=cu[-1],
+            prefill_cu_seqlens=i32(cu) if prefills else None,
+            prefill_slots=i32([s for s, _, _, _ in prefills]) if prefills else None,
+            prefill_has_initial_state=torch.tensor([c > 0 for _, c, _, _ in prefills], device=dev)
+            if prefills else None)
+        if prefills:
+            gdn["prefill_metadata"] = ops.prepare_gdn_metadata(gdn["prefill_cu_seqlens"])
+        batch = _Batch(num_decodes=nd, decode_slots=i32(dslots),
+                       decode_slot_range=(dslots[0], nd) if consecutive else None, decode_len=decode_len,
+                       decode_mask=mask, prefills=prefills, token_slots=torch.tensor(tok_slots, device=dev),
+                       token_positions=torch.tensor(tok_pos, device=dev), gdn=gdn)
+        return ids, batch, order
+
+    @torch.no_grad()
+    def step(self, slots: list[int], tokens: list[list[int]], *, all_logits: bool = False) -> torch.Tensor:
+        """Feed each sequence its new tokens; returns fp32 logits.
+
+        ``all_logits=False``: ``[N, vocab]``, the last new token of each sequence (input order).
+        ``all_logits=True``: ``[sum of new tokens, vocab]`` in input order.
+        """
+        ids, batch, order = self._layout(slots, tokens)
+        self.host.batch = batch
+        try:
+            hidden = self.model(torch.tensor(ids, device=self.device), batch.token_positions)
+        finally:
+            self.host.batch = None
+        starts, row = {}, 0
+        for i in order:
+            starts[i] = row
+            row += len(tokens[i])
+        if all_logits:
+            rows = [r for i in range(len(slots)) for r in range(starts[i], starts[i] + len(tokens[i]))]
+        else:
+            rows = [starts[i] + len(tokens[i]) - 1 for i in range(len(slots))]
+        for s, toks in zip(slots, tokens, strict=True):
+            self.lengths[s] += len(toks)
+        return self.model.logits(hidden[torch.tensor(rows, device=self.device)]).float()
+
+    # ---------------------------------------------------------------- generation
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = False) -> list[list[int]]:
+        """Generate up to ``max_new_tokens`` per prompt; greedy when ``temperature == 0``."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise ValueError(f"temperature={temperature} (>= 0), top_p={top_p} (in (0, 1]), top_k={top_k} (>= 0)")
+        gen = torch.Generator(device=self.device)
+        if seed is not None:
+            gen.manual_seed(seed)
+        slots = self.allocate(len(prompts))
+        out: list[list[int]] = [[] for _ in prompts]
+        try:
+            live = list(range(len(prompts)))
+            logits = self.step(slots, prompts)
+            for _ in range(max_new_tokens):
+                nxt = sample(logits, temperature, top_k, top_p, gen).tolist()
+                still = []
+                for j, i in enumerate(live):
+                    out[i].append(nxt[j])
+                    if not (stop_at_eos and nxt[j] in self.cfg.eos_token_id) and len(out[i]) < max_new_tokens:
+                        still.append((i, nxt[j]))
+                if not still:
+                    break
+                live = [i for i, _ in still]
+                logits = self.step([slots[i] for i in live], [[t] for _, t in still])
+        finally:
+            self.release(slots)
+        return out
+
+
+def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+           gen: torch.Generator | None = None) -> torch.Tensor:
+    """One token per row of ``logits [N, vocab]``: argmax at temperature 0, else top-k / top-p sampling."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    scores = logits.float() / temperature
+    if top_k:
+        kth = scores.topk(min(top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if top_p < 1:
+        sorted_scores, idx = scores.sort(dim=-1, descending=True)
+        cum = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cum - sorted_scores.softmax(-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        scores = scores.scatter(-1, idx, sorted_scores.masked_fill(drop, float("-inf")))
+    return torch.multinomial(scores.softmax(-1), 1, generator=gen)[:, 0]
