@@ -9,6 +9,7 @@ from __future__ import annotations
 
 # --- GDN, causal conv1d, norms: ops exported here ---
 # --- MoE: ops exported here ---
+from kernels_triton.moe import moe_block, moe_experts, moe_route  # noqa: E402,F401
 
 
 def availability(caps) -> str | None:  # noqa: ANN001 - qwen35.probe.DeviceCaps

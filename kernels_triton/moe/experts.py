@@ -1,0 +1,173 @@
+"""Grouped expert GEMMs over aligned blocks, and the deterministic top-k combine.
+
+gate_up: ``h[r] = silu(x[tok(r)] @ Wg[e]^T) * (x[tok(r)] @ Wu[e]^T)`` for each aligned row ``r``
+(one program computes a BLOCK_M x BLOCK_N tile of both halves, so the SiLU-mul is its epilogue);
+``h`` is kept in aligned (sorted) row order so the down GEMM reads it contiguously.
+down: ``y[slot(r)] = weight[slot(r)] * (h[r] @ W2[e]^T)``, one row per (token, pick), in the
+activation dtype. combine: ``out[t] = sum_j y[t, j]`` in fp32, j in a fixed order, plus an optional
+extra term (a shared expert computed elsewhere). No float atomics anywhere: the same input gives
+bit-identical output.
+
+Weights: ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``; group ``E`` (when
+HAS_SHARED) uses ``shared_w13 [2I, H]`` / ``shared_w2 [H, I]``. Pointer offsets that can pass
+2**31 elements are int64.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_triton.moe.align import Alignment
+from kernels_triton.moe.config import GemmConfig
+
+
+@triton.jit
+def _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M: tl.constexpr):
+    """(group, aligned row indices, which rows are real slots, slot ids) of one aligned block."""
+    group = tl.load(block_group_ptr + block)
+    start = tl.load(group_start_ptr + group)
+    count = tl.load(group_count_ptr + group)
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    real = rows - start < count
+    slots = tl.load(sorted_ptr + rows, mask=real, other=0)  # padding rows read slot 0: valid memory, never stored
+    return group, rows, real, slots
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
+                    total_blocks_ptr, h_ptr, H, I, SLOTS, E_LOCAL, HAS_SHARED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    block, tile_n = pid // n_tiles, pid % n_tiles
+    if block >= tl.load(total_blocks_ptr):
+        return
+    group, rows, real, slots = _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
+                                           BLOCK_M)
+    w_base = w_ptr + group.to(tl.int64) * 2 * I * H
+    if HAS_SHARED:
+        if group == E_LOCAL:
+            w_base = shared_w_ptr
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + (slots // SLOTS).to(tl.int64)[:, None] * H + ks[None, :]  # gather the tokens' rows
+    g_ptrs = w_base + cols[None, :] * H + ks[:, None]  # [BLOCK_K, BLOCK_N] view of the gate rows
+    u_ptrs = g_ptrs + I * H  # the up rows follow the gate rows
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        if EVEN_K and EVEN_N:
+            a = tl.load(a_ptrs)
+            bg = tl.load(g_ptrs)
+            bu = tl.load(u_ptrs)
+        else:
+            k_ok = (ks + k0) < H
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            bu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc_g = tl.dot(a, bg, acc_g)
+        acc_u = tl.dot(a, bu, acc_u)
+        a_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+        u_ptrs += BLOCK_K
+    act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :]
+    tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
+                 total_blocks_ptr, weights_ptr, y_ptr, H, I, E_LOCAL, HAS_SHARED: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(H, BLOCK_N)
+    block, tile_n = pid // n_tiles, pid % n_tiles
+    if block >= tl.load(total_blocks_ptr):
+        return
+    group, rows, real, slots = _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
+                                           BLOCK_M)
+    w_base = w_ptr + group.to(tl.int64) * H * I
+    if HAS_SHARED:
+        if group == E_LOCAL:
+            w_base = shared_w_ptr
+    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + ks[None, :]
+    b_ptrs = w_base + cols[None, :] * I + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        if EVEN_K and EVEN_N:
+            a = tl.load(a_ptrs)
+            b = tl.load(b_ptrs)
+        else:
+            k_ok = (ks + k0) < I
+            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, b, acc)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
+    out = acc * weight[:, None]
+    y_ptrs = y_ptr + slots.to(tl.int64)[:, None] * H + cols[None, :]
+    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _combine_kernel(y_ptr, slot_group_ptr, extra_ptr, out_ptr, H, SLOTS: tl.constexpr, HAS_EXTRA: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    """out[t] = sum_j y[t * SLOTS + j] (dropped slots skipped), j ascending, in fp32; + extra[t]."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    col_ok = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(SLOTS):
+        kept = tl.load(slot_group_ptr + token * SLOTS + j) >= 0
+        acc += tl.load(y_ptr + (token * SLOTS + j) * H + cols, mask=col_ok & kept, other=0.0).to(tl.float32)
+    if HAS_EXTRA:
+        acc += tl.load(extra_ptr + token * H + cols, mask=col_ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None, al: Alignment, slots: int,
+            cfg: GemmConfig) -> torch.Tensor:
+    """``h`` ``[max_blocks * BLOCK_M, I]`` in aligned row order (padding rows unwritten)."""
+    H, I = x.shape[1], w13.shape[1] // 2
+    h = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=x.device)
+    grid = (al.max_blocks * triton.cdiv(I, cfg.BLOCK_N),)
+    _gate_up_kernel[grid](
+        x, w13, shared_w13 if shared_w13 is not None else w13, al.sorted_slots, al.block_group, al.group_start,
+        al.group_count, al.total_blocks, h, H, I, slots, w13.shape[0], HAS_SHARED=shared_w13 is not None,
+        BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=H % cfg.BLOCK_K == 0,
+        EVEN_N=I % cfg.BLOCK_N == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return h
+
+
+def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: Alignment, weights: torch.Tensor,
+         cfg: GemmConfig) -> torch.Tensor:
+    """``y`` ``[M * slots, H]``: each kept slot's expert output times its router weight (dropped rows unwritten)."""
+    H, I = w2.shape[1], w2.shape[2]
+    y = torch.empty(weights.numel(), H, dtype=h.dtype, device=h.device)
+    grid = (al.max_blocks * triton.cdiv(H, cfg.BLOCK_N),)
+    _down_kernel[grid](
+        h, w2, shared_w2 if shared_w2 is not None else w2, al.sorted_slots, al.block_group, al.group_start,
+        al.group_count, al.total_blocks, weights, y, H, I, w2.shape[0], HAS_SHARED=shared_w2 is not None,
+        BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
+        EVEN_N=H % cfg.BLOCK_N == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
+
+
+def combine(y: torch.Tensor, al: Alignment, M: int, slots: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+    """``[M, H]`` in y's dtype: the fixed-order sum of each token's slots (+ ``extra``)."""
+    H = y.shape[1]
+    out = torch.empty(M, H, dtype=y.dtype, device=y.device)
+    block_h = min(1024, triton.next_power_of_2(H))
+    _combine_kernel[(M, triton.cdiv(H, block_h))](
+        y, al.slot_group, extra if extra is not None else y, out, H, SLOTS=slots, HAS_EXTRA=extra is not None,
+        BLOCK_H=block_h, num_warps=4)
+    return out

@@ -1,0 +1,97 @@
+"""The MoE ops of :mod:`qwen35.ops` on Triton: route, align, grouped GEMMs, combine.
+
+Pipeline (every step on the device, no host synchronisation, so a fixed-M call is CUDA-graph
+capturable): router GEMM (fp32 logits, split-K at small M) -> softmax/top-k/renormalise ->
+alignment by expert -> gate_up GEMM with SiLU-mul epilogue -> down GEMM scaled by the router
+weight, one output row per (token, pick) -> fixed-order sum over the picks.
+
+Shared expert: when its intermediate size equals the routed experts' (every Qwen3.5 MoE size,
+also under TP), it rides the same pipeline as one extra group that every token picks, with its
+sigmoid gate as the pick's weight: no separate launches. Otherwise it runs as plain torch
+matmuls and is added in the combine.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels_triton.moe import align as _align
+from kernels_triton.moe import config as _config
+from kernels_triton.moe import experts as _experts
+from kernels_triton.moe import routing as _routing
+
+
+def moe_route(
+    router_logits: torch.Tensor, top_k: int, renormalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax (fp32) -> top-k (ties to the lowest id) -> renormalise; (weights fp32, ids int32) ``[M, k]``."""
+    return _routing.route(router_logits, top_k, renormalize)
+
+
+def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                     ids: torch.Tensor, top_k: int, expert_map: torch.Tensor | None,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     extra: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts (+ the shared one as a last pick when ``shared``) for picks ``ids`` ``[M, slots]``."""
+    M, H = x.shape
+    E, I = w13.shape[0], w2.shape[2]
+    slots = ids.shape[1]
+    up_cfg, down_cfg = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
+    al = _align.align(ids, n_local=E, block_m=up_cfg.BLOCK_M, expert_map=expert_map, shared=shared is not None)
+    shared_w13, shared_w2 = shared if shared is not None else (None, None)
+    h = _experts.gate_up(x, w13, shared_w13, al, slots, up_cfg)
+    y = _experts.down(h, w2, shared_w2, al, weights, down_cfg)
+    return _experts.combine(y, al, M, slots, extra)
+
+
+def moe_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed expert MLPs and their weighted top-k sum; ``[M, H]`` in x's dtype."""
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    return _grouped_experts(x, w13, w2, topk_weights.float().contiguous(), topk_ids.contiguous(),
+                            topk_ids.shape[1], expert_map)
+
+
+def _torch_shared_expert(x, shared_w13, shared_w2, gate_weight):  # noqa: ANN001, ANN202
+    gate, up = F.linear(x, shared_w13).chunk(2, dim=-1)
+    out = F.linear(F.silu(gate) * up, shared_w2)
+    if gate_weight is not None:
+        out = torch.sigmoid(F.linear(x, gate_weight).float()).to(x.dtype) * out
+    return out
+
+
+def moe_block(
+    x: torch.Tensor,
+    router_weight: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    top_k: int,
+    *,
+    renormalize: bool = True,
+    shared_w13: torch.Tensor | None = None,
+    shared_w2: torch.Tensor | None = None,
+    shared_gate_weight: torch.Tensor | None = None,
+    expert_map: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Router -> routing -> experts (+ sigmoid-gated shared expert) in one call; ``[M, H]`` in x's dtype."""
+    if x.shape[0] == 0:
+        return torch.empty_like(x)
+    E_global = router_weight.shape[0]
+    fused_shared = shared_w13 is not None and shared_w13.shape[0] == w13.shape[1]
+    gate = shared_gate_weight if fused_shared else None
+    logits, n_splits = _routing.router_logits(x, router_weight, gate)
+    weights, ids = _routing.route(logits, top_k, renormalize, n_splits=n_splits, n_experts=E_global,
+                                  gate=gate is not None, shared=fused_shared)
+    extra = None
+    if shared_w13 is not None and not fused_shared:
+        extra = _torch_shared_expert(x, shared_w13, shared_w2, shared_gate_weight)
+    shared = (shared_w13, shared_w2) if fused_shared else None
+    return _grouped_experts(x, w13, w2, weights, ids, top_k, expert_map, shared, extra)

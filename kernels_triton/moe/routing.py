@@ -1,0 +1,150 @@
+"""Router: logits GEMM (fp32 out, split-K partials) and fused softmax -> top-k -> renormalise.
+
+Top-k selects on the fp32 logits (softmax is monotone, so this is the order of the
+probabilities without their rounding), ties to the lowest expert id; weights are
+``exp(l - max)`` of the picks over their sum (renormalise) or over the sum of all experts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ROUTE_TILE = 4096  # elements of the [rows, E_PAD] logits tile one route program holds
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, M, H, E, K_PER_SPLIT,
+                          HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """out[s, m, n] = sum over this split's slice of H of x[m, :] * W[n, :], W = router rows then the gate row."""
+    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    n_out = E + HAS_GATE
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok, col_ok = rows < M, cols < E
+    ks = pid_s * K_PER_SPLIT + tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K_PER_SPLIT, BLOCK_K):
+        kk = ks + k0
+        k_ok = kk < H
+        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * H + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
+                    other=0.0)
+        b = tl.load(w_ptr + cols[None, :] * H + kk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        if HAS_GATE:  # column E is the shared expert's gate
+            b += tl.load(gate_ptr + kk[:, None] + 0 * cols[None, :], mask=(cols == E)[None, :] & k_ok[:, None],
+                         other=0.0)
+        acc = tl.dot(a, b, acc)
+    out = out_ptr + pid_s * M * n_out + rows[:, None] * n_out + cols[None, :]
+    tl.store(out, acc, mask=row_ok[:, None] & (cols < n_out)[None, :])
+
+
+@triton.jit
+def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """logits [R, E_PAD] fp32 (columns >= E ignored) -> (weights [R, K_PAD] fp32, ids [R, K_PAD] int32)."""
+    real = cols[None, :] < E
+    logits = tl.where(real, logits, float("-inf"))
+    top = tl.max(logits, axis=1)
+    probs = tl.where(real, tl.exp(logits - top[:, None]), 0.0)
+    slot = tl.arange(0, K_PAD)[None, :]
+    ids = tl.zeros((logits.shape[0], K_PAD), dtype=tl.int32)
+    picked = tl.zeros((logits.shape[0], K_PAD), dtype=tl.float32)
+    free = real
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.where(free, logits, float("-inf")), axis=1)
+        idx = tl.min(tl.where(free & (logits == best[:, None]), cols[None, :], 1 << 30), axis=1)
+        ids = tl.where(slot == j, idx[:, None], ids)
+        picked = tl.where(slot == j, tl.exp(best - top)[:, None], picked)
+        free = free & (cols[None, :] != idx[:, None])
+    if RENORMALIZE:
+        denom = tl.sum(picked, axis=1)
+    else:
+        denom = tl.sum(probs, axis=1)
+    return picked / denom[:, None], ids
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, n_splits, SHARED_ID,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
+    """Per row: sum the split-K partials in order, pick top-k; with HAS_SHARED append the shared slot.
+
+    logits ``[n_splits, M, E + HAS_GATE]``; outputs ``[M, TOP_K + HAS_SHARED]``. The shared slot's
+    id is SHARED_ID and its weight sigmoid(gate logit) (1 without a gate).
+    """
+    n_in = E + HAS_GATE
+    n_out = TOP_K + HAS_SHARED
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, E_PAD)
+    row_ok = rows < M
+    ptrs = logits_ptr + rows[:, None].to(tl.int64) * n_in + cols[None, :]
+    mask = row_ok[:, None] & (cols < E)[None, :]
+    logits = tl.zeros((ROWS, E_PAD), dtype=tl.float32)
+    for s in range(n_splits):
+        logits += tl.load(ptrs + s * M * n_in, mask=mask, other=0.0).to(tl.float32)
+    weights, ids = _top_k_rows(logits, cols, E, TOP_K, K_PAD, RENORMALIZE)
+    slot = tl.arange(0, K_PAD)
+    out = rows[:, None] * n_out + slot[None, :]
+    out_mask = row_ok[:, None] & (slot < TOP_K)[None, :]
+    tl.store(weights_ptr + out, weights, mask=out_mask)
+    tl.store(ids_ptr + out, ids, mask=out_mask)
+    if HAS_SHARED:
+        gate = tl.zeros((ROWS,), dtype=tl.float32)
+        if HAS_GATE:
+            for s in range(n_splits):
+                gate += tl.load(logits_ptr + s * M * n_in + rows * n_in + E, mask=row_ok, other=0.0)
+            w_shared = tl.sigmoid(gate)
+        else:
+            w_shared = gate + 1.0
+        tl.store(weights_ptr + rows * n_out + TOP_K, w_shared, mask=row_ok)
+        tl.store(ids_ptr + rows * n_out + TOP_K, tl.zeros((ROWS,), dtype=tl.int32) + SHARED_ID, mask=row_ok)
+
+
+def _pow2(n: int, lo: int = 1) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int = 1, n_experts: int | None = None,
+          gate: bool = False, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of ``logits`` ``[n_splits, M, E + gate]`` (or ``[M, E]``); see :func:`_route_kernel`."""
+    M = logits.shape[-2]
+    E = n_experts if n_experts is not None else logits.shape[-1] - int(gate)
+    slots = top_k + int(shared)
+    weights = torch.empty(M, slots, dtype=torch.float32, device=logits.device)
+    ids = torch.empty(M, slots, dtype=torch.int32, device=logits.device)
+    if M == 0:
+        return weights, ids
+    e_pad = _pow2(E, 16)
+    rows = max(1, min(16, ROUTE_TILE // e_pad))
+    _route_kernel[(triton.cdiv(M, rows),)](
+        logits, weights, ids, M, E, n_splits, E, TOP_K=top_k, K_PAD=_pow2(top_k, 2), E_PAD=e_pad, ROWS=rows,
+        RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate), HAS_SHARED=bool(shared), num_warps=4)
+    return weights, ids
+
+
+def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
+                  gate_weight: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """fp32 logits ``[n_splits, M, E (+1 for the gate)]`` as split-K partials; returns (partials, n_splits).
+
+    Small M is a GEMV over the router weight: split H so that enough programs stream it.
+    """
+    M, H = x.shape
+    E = router_weight.shape[0]
+    n_out = E + int(gate_weight is not None)
+    block_m = 16 if M <= 16 else 32 if M <= 64 else 64
+    block_n = 32 if M <= 64 else 64
+    block_k = 128 if M <= 64 else 64
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(n_out, block_n)
+    n_splits = 1
+    while tiles * n_splits < 128 and H // (n_splits * 2) >= 2 * block_k:
+        n_splits *= 2
+    k_per_split = triton.cdiv(triton.cdiv(H, n_splits), block_k) * block_k
+    n_splits = triton.cdiv(H, k_per_split)
+    out = torch.empty(n_splits, M, n_out, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(n_out, block_n), n_splits)
+    _router_logits_kernel[grid](
+        x, router_weight, gate_weight if gate_weight is not None else router_weight, out, M, H, E, k_per_split,
+        HAS_GATE=gate_weight is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        num_stages=3)
+    return out, n_splits
