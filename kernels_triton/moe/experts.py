@@ -36,6 +36,16 @@ def _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count
 
 
 @triton.jit
+def _expert_weights(w_ptr, shared_w_ptr, group, expert_numel, E_LOCAL, HAS_SHARED: tl.constexpr):
+    """Base pointer of group's weights: expert ``group`` of the stack, or the shared expert (group E_LOCAL)."""
+    base = w_ptr + group.to(tl.int64) * expert_numel
+    if HAS_SHARED:
+        if group == E_LOCAL:
+            base = shared_w_ptr
+    return base
+
+
+@triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                     total_blocks_ptr, h_ptr, H, I, SLOTS, E_LOCAL, HAS_SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -47,10 +57,7 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, gro
         return
     group, rows, real, slots = _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                                            BLOCK_M)
-    w_base = w_ptr + group.to(tl.int64) * 2 * I * H
-    if HAS_SHARED:
-        if group == E_LOCAL:
-            w_base = shared_w_ptr
+    w_base = _expert_weights(w_ptr, shared_w_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
@@ -91,10 +98,7 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
         return
     group, rows, real, slots = _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                                            BLOCK_M)
-    w_base = w_ptr + group.to(tl.int64) * H * I
-    if HAS_SHARED:
-        if group == E_LOCAL:
-            w_base = shared_w_ptr
+    w_base = _expert_weights(w_ptr, shared_w_ptr, group, H * I, E_LOCAL, HAS_SHARED)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)

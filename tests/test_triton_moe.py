@@ -1,0 +1,255 @@
+"""Triton MoE (kernels_triton.moe) vs the reference: routing, alignment, grouped GEMMs, combine, shared expert.
+
+Runs on CPU under TRITON_INTERPRET=1 (tiny shapes), or on CUDA when present. bf16 GEMMs are left
+to the GPU tests: the interpreter's bf16 ``tl.dot`` returns garbage (~1e10), while its fp16 and
+fp32 dots are right.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first triton import
+
+import pytest  # noqa: E402
+from helpers import assert_close, rel_err  # noqa: E402
+
+from kernels_triton import _config  # noqa: E402
+from kernels_triton import moe as tmoe  # noqa: E402
+from kernels_triton.moe import align as talign  # noqa: E402
+from kernels_triton.moe import config as tconfig  # noqa: E402
+from qwen35 import ops  # noqa: E402
+from qwen35 import reference as ref  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-3, torch.float16: 4e-3}  # fp32 loose enough for tf32 dots on a GPU
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN in never-stored padding rows
+
+
+def _rnd(gen, *shape, scale=1.0, dtype=torch.float32):
+    return (torch.randn(*shape, generator=gen) * scale).to(device=DEVICE, dtype=dtype)
+
+
+def _experts(gen, E, H, I, dtype):
+    return _rnd(gen, E, 2 * I, H, scale=H**-0.5, dtype=dtype), _rnd(gen, E, H, I, scale=I**-0.5, dtype=dtype)
+
+
+def _f64(*ts):
+    return [None if t is None else t.double().cpu() for t in ts]
+
+
+def _check_experts(x, w13, w2, weights, ids, emap=None, tol=None):
+    out = tmoe.moe_experts(x, w13, w2, weights, ids, emap)
+    assert out.dtype == x.dtype and out.shape == x.shape
+    expect = ref.moe_experts(*_f64(x, w13, w2, weights), ids.cpu(), None if emap is None else emap.cpu())
+    assert_close(out, expect, tol or TOL[x.dtype], "moe_experts")
+    return out
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize("E,k", [(8, 1), (40, 4), (300, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_matches_reference(E, k, dtype, renormalize):
+    gen = torch.Generator().manual_seed(E + k)
+    logits = _rnd(gen, 21, E, scale=2.0, dtype=dtype)
+    weights, ids = tmoe.moe_route(logits, k, renormalize)
+    rw, rid = ref.moe_route(logits.cpu(), k, renormalize)
+    assert ids.dtype == torch.int32 and weights.dtype == torch.float32
+    assert torch.equal(ids.cpu(), rid)
+    assert_close(weights, rw, 1e-6, "route weights")
+
+
+def test_route_ties_go_to_the_lowest_id():
+    logits = torch.zeros(3, 12, device=DEVICE)
+    logits[1, [3, 7, 9]] = 1.0  # a three-way tie at the top, then eleven-way... at the bottom
+    logits[2] = torch.tensor([0, 5, 5, 1, 5, 0, 0, 1, 1, 2, 2, 5], dtype=torch.float32)
+    weights, ids = tmoe.moe_route(logits, 5)
+    rw, rid = ref.moe_route(logits.cpu(), 5)
+    assert ids[0].tolist() == [0, 1, 2, 3, 4]
+    assert ids[1].tolist() == [3, 7, 9, 0, 1]
+    assert ids[2].tolist() == [1, 2, 4, 11, 9]
+    assert torch.equal(ids.cpu(), rid)
+    assert_close(weights, rw, 1e-6, "tied weights")
+
+
+# ----------------------------------------------------------------------------- alignment
+
+
+@pytest.mark.parametrize("single", [True, False])
+def test_alignment_groups_slots_by_expert(single, monkeypatch):
+    if not single:  # force the three-launch path (count, scan, scatter) on a small input
+        monkeypatch.setattr(talign, "SINGLE_CHUNK_MAX", 32)
+    gen = torch.Generator().manual_seed(1)
+    E, block_m = 10, 16
+    ids = torch.randint(0, 13, (70, 3), generator=gen, dtype=torch.int32)  # 13 global experts
+    emap = torch.tensor([0, -1, 1, 2, 3, -1, 4, 5, 6, 7, 8, -1, 9], dtype=torch.int32)
+    al = talign.align(ids.to(DEVICE), n_local=E, block_m=block_m, expert_map=emap.to(DEVICE))
+    local = emap[ids.long()].flatten()
+    assert torch.equal(al.slot_group.cpu(), local)
+    n_blocks = 0
+    for g in range(E):
+        start, count = int(al.group_start[g]), int(al.group_count[g])
+        want = torch.nonzero(local == g).flatten().int()
+        assert count == want.numel() and start == n_blocks * block_m
+        assert torch.equal(al.sorted_slots[start:start + count].cpu(), want), f"group {g}: slots out of order"
+        blocks = -(-count // block_m)
+        assert (al.block_group[n_blocks:n_blocks + blocks].cpu() == g).all()
+        n_blocks += blocks
+    assert int(al.total_blocks) == n_blocks <= al.max_blocks
+
+
+# ----------------------------------------------------------------------------- experts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M", [1, 3, 37])
+def test_experts_match_reference(M, dtype):
+    gen = torch.Generator().manual_seed(M)
+    E, k, H, I = 8, 2, 64, 32
+    w13, w2 = _experts(gen, E, H, I, dtype)
+    weights, ids = ref.moe_route(torch.randn(M, E, generator=gen), k)
+    _check_experts(_rnd(gen, M, H, dtype=dtype), w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+
+
+def test_experts_large_tiles_and_multi_chunk_alignment(monkeypatch):
+    """M*k/E = 50 slots per expert: BLOCK_M 64 tensor-core tiles; alignment over several chunks."""
+    monkeypatch.setattr(talign, "SINGLE_CHUNK_MAX", 128)
+    gen = torch.Generator().manual_seed(7)
+    E, k, H, I, M = 8, 2, 64, 32, 200
+    assert tconfig.configs(M, k, E, H, I, torch.float16, torch.device(DEVICE))[0].BLOCK_M >= 64
+    w13, w2 = _experts(gen, E, H, I, torch.float16)
+    weights, ids = ref.moe_route(torch.randn(M, E, generator=gen), k)
+    _check_experts(_rnd(gen, M, H, dtype=torch.float16), w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+
+
+def test_skewed_routing_and_experts_with_zero_tokens():
+    gen = torch.Generator().manual_seed(3)
+    E, k, H, I, M = 8, 3, 64, 48, 40  # I = 48: BLOCK_N does not divide it (masked columns)
+    w13, w2 = _experts(gen, E, H, I, torch.float16)
+    x = _rnd(gen, M, H, dtype=torch.float16)
+    weights = torch.softmax(torch.randn(M, k, generator=gen), -1).to(DEVICE)
+    every_token_same = torch.tensor([[5, 2, 6]] * M, dtype=torch.int32, device=DEVICE)
+    _check_experts(x, w13, w2, weights, every_token_same)
+    only_three = torch.randint(0, 3, (M, 1), generator=gen).repeat(1, k)
+    only_three = ((only_three + torch.arange(k)) % 3).to(DEVICE, torch.int64)  # distinct picks, int64 ids
+    _check_experts(x, w13, w2, weights, only_three)
+
+
+def test_expert_map_drops_non_local_experts():
+    gen = torch.Generator().manual_seed(4)
+    E_local, E_global, k, H, I, M = 4, 10, 3, 64, 32, 23
+    w13, w2 = _experts(gen, E_local, H, I, torch.float16)
+    emap = torch.full((E_global,), -1, dtype=torch.int32)
+    emap[[1, 4, 5, 8]] = torch.arange(E_local, dtype=torch.int32)
+    weights, ids = ref.moe_route(torch.randn(M, E_global, generator=gen), k)
+    x = _rnd(gen, M, H, dtype=torch.float16)
+    out = _check_experts(x, w13, w2, weights.to(DEVICE), ids.to(DEVICE), emap.to(DEVICE))
+    none_local = (emap[ids.long()] < 0).all(dim=1)
+    assert none_local.any(), "test needs a token with no local expert"
+    assert (out[none_local.to(DEVICE)] == 0).all()
+
+
+def test_empty_batch():
+    gen = torch.Generator().manual_seed(5)
+    w13, w2 = _experts(gen, 4, 32, 16, torch.float32)
+    x = torch.empty(0, 32, device=DEVICE)
+    empty_ids = torch.empty(0, 2, dtype=torch.int32, device=DEVICE)
+    assert tmoe.moe_experts(x, w13, w2, torch.empty(0, 2, device=DEVICE), empty_ids).shape == (0, 32)
+
+
+# ----------------------------------------------------------------------------- block
+
+
+def _block_inputs(gen, M, dtype, *, E=8, H=64, I=32, Is=32, gate=True):
+    w13, w2 = _experts(gen, E, H, I, dtype)
+    return dict(x=_rnd(gen, M, H, dtype=dtype), router_weight=_rnd(gen, E, H, dtype=dtype), w13=w13, w2=w2,
+                shared_w13=_rnd(gen, 2 * Is, H, scale=H**-0.5, dtype=dtype),
+                shared_w2=_rnd(gen, H, Is, scale=Is**-0.5, dtype=dtype),
+                shared_gate_weight=_rnd(gen, 1, H, dtype=dtype) if gate else None)
+
+
+def _ref_block(kw, top_k, **extra):
+    return ref.moe_block(**{k: (v.double().cpu() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()},
+                         top_k=top_k, **extra)
+
+
+@pytest.mark.parametrize("M,dtype,Is,gate,renormalize", [
+    (1, torch.float16, 32, True, True),  # decode: shared expert fused as a ninth group
+    (19, torch.float32, 32, False, False),  # fused shared expert without gate, no renormalisation
+    (6, torch.float16, 48, True, True),  # shared width != expert width: torch shared expert
+])
+def test_block_matches_reference(M, dtype, Is, gate, renormalize):
+    gen = torch.Generator().manual_seed(M + Is)
+    kw = _block_inputs(gen, M, dtype, Is=Is, gate=gate)
+    out = tmoe.moe_block(**kw, top_k=2, renormalize=renormalize)
+    assert out.dtype == dtype
+    assert_close(out, _ref_block(kw, 2, renormalize=renormalize), TOL[dtype], "moe_block")
+
+
+def test_block_with_expert_map():
+    gen = torch.Generator().manual_seed(8)
+    kw = _block_inputs(gen, 9, torch.float16, E=3)
+    kw["router_weight"] = _rnd(gen, 8, 64, dtype=torch.float16)  # 8 global experts, 3 held here
+    emap = torch.tensor([-1, 0, -1, -1, 1, -1, 2, -1], dtype=torch.int32, device=DEVICE)
+    out = tmoe.moe_block(**kw, top_k=3, expert_map=emap)
+    assert_close(out, _ref_block(kw, 3, expert_map=emap.cpu()), 4e-3, "moe_block with expert_map")
+
+
+def test_block_is_deterministic():
+    gen = torch.Generator().manual_seed(9)
+    kw = _block_inputs(gen, 33, torch.float16)
+    first = tmoe.moe_block(**kw, top_k=2)
+    assert torch.equal(first, tmoe.moe_block(**kw, top_k=2)), "two runs differ"
+
+
+# ----------------------------------------------------------------------------- configs and façade
+
+
+def test_config_heuristic_and_tuned_file(tmp_path, monkeypatch, caplog):
+    dev = torch.device("cpu")
+    tconfig.configs.cache_clear()
+    _config.clear_cache()
+    with caplog.at_level(logging.INFO, logger="qwen35.kernels_triton"):
+        up, down = tconfig.configs(1, 8, 256, 2048, 512, torch.bfloat16, dev)
+    assert up.BLOCK_M == down.BLOCK_M == 16
+    assert up == tconfig.heuristic("gate_up", 1, 8, 256, 1024, 2048)
+    assert sum("no tuned moe_gate_up config" in r.message for r in caplog.records) == 1
+    key_up, key_down = tconfig.shape_key(256, 1024, 2048, torch.bfloat16), tconfig.shape_key(256, 2048, 512,
+                                                                                           torch.bfloat16)
+    entry = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 5}
+    (tmp_path / "cpu").mkdir()
+    for op, key in ((tconfig.GATE_UP_OP, key_up), (tconfig.DOWN_OP, key_down)):
+        doc = {"op": op, "entries": {key: {"1": dict(entry, BLOCK_M=16), "4096": entry}}}
+        (tmp_path / "cpu" / f"{op}.json").write_text(json.dumps(doc))
+    monkeypatch.setenv("QWEN35_CONFIG_DIR", str(tmp_path))
+    tconfig.configs.cache_clear()
+    _config.clear_cache()
+    try:
+        up, down = tconfig.configs(3000, 8, 256, 2048, 512, torch.bfloat16, dev)
+        assert up == tconfig.GemmConfig(64, 64, 128, 4, 5) == down
+        assert tconfig.configs(2, 8, 256, 2048, 512, torch.bfloat16, dev)[1].BLOCK_M == 16
+    finally:
+        tconfig.configs.cache_clear()
+        _config.clear_cache()
+
+
+def test_facade_selects_and_self_tests_triton(fresh_probe, monkeypatch):
+    monkeypatch.setenv("QWEN35_BACKEND", "triton")
+    fresh_probe.reset()
+    for op in ("moe_route", "moe_experts", "moe_block"):
+        choice = fresh_probe.choose(op, DEVICE)
+        assert choice.backend == "triton", choice.reason
+        assert choice.selftest_rel_err is not None and choice.selftest_rel_err < 1e-2, choice.reason
+    gen = torch.Generator().manual_seed(10)
+    kw = _block_inputs(gen, 5, torch.float32)
+    out = ops.moe_block(**kw, top_k=2)
+    assert torch.equal(out, tmoe.moe_block(**kw, top_k=2))
+    assert rel_err(out, _ref_block(kw, 2)) < 2e-3

@@ -1,0 +1,367 @@
+"""MoE benchmark and tuner: Triton ``kernels_triton.moe`` vs a ``torch._grouped_mm`` pipeline vs the roofline.
+
+    python -m tuning.bench_moe --out DIR [--quick]           # benchmark -> DIR/moe_<device>.json
+    python -m tuning.bench_moe --out DIR --tune [--quick]    # sweep GEMM configs -> DIR/configs/<device>/moe_*.json
+
+What is timed: the routed part of a Qwen3.5 MoE block, routing included (router GEMM, softmax /
+top-k / renormalise, then the experts and the weighted top-k sum), bf16. Ours is one
+``moe_block`` call without a shared expert (``ours_shared_ms`` adds the gated shared expert);
+the anchor is torch: fp32 router logits, softmax, topk, renormalise, stable sort by expert,
+``torch._grouped_mm`` (gate_up), silu*mul, ``torch._grouped_mm`` (down), weight, ``index_add_``.
+M <= 256 is timed by replaying a CUDA graph (launch gaps vanish), larger M with events.
+
+Roofline: ``mem_floor_ms`` = bytes of the experts the routing actually picked (3*I*H each) plus
+the router, over the measured copy bandwidth; ``flop_floor_ms`` = 6*M*k*H*I + 2*M*E*H FLOP over the
+measured bf16 matmul rate. ``x_mem_floor`` = ours / mem floor (target <= 1.5 for M <= 16);
+``TFLOPs`` counts the expert FLOPs only (target >= 400 for M >= 4096).
+Tuning times each GEMM alone on real routings for a few BLOCK_M values and candidate tiles,
+and keeps per token bucket the BLOCK_M whose gate_up + down sum is least.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from tuning import _bench
+
+DEVICE = "cuda"
+SHAPES = {  # name: (E, k, H, I)
+    "35B-A3B": (256, 8, 2048, 512),
+    "122B-A10B": (256, 8, 3072, 1024),
+    "397B-A17B-TP4": (512, 10, 4096, 256),
+    "397B-A17B-TP8": (512, 10, 4096, 128),
+}
+MS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
+QUICK_SHAPES, QUICK_MS = ("35B-A3B", "397B-A17B-TP8"), (1, 16, 1024, 16384)
+GRAPH_MAX_M = 256
+BREAKDOWN_MS = (1, 16, 4096, 16384)
+TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
+# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates; the heuristic's pick is always added
+SMALL_UP = [(32, 256, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 6), (64, 256, 4, 3)]
+SMALL_DOWN = [(64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 5)]
+LARGE_UP = [(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4), (256, 64, 8, 3), (128, 32, 8, 4)]
+LARGE_DOWN = [(128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4)]
+
+
+# ----------------------------------------------------------------------------- the two pipelines
+
+
+def torch_pipeline(x, router_weight, w13, w2, top_k):  # noqa: ANN001, ANN201
+    """Routed MoE with torch ops only: sort by expert -> grouped GEMM -> silu*mul -> grouped GEMM -> scatter."""
+    M, H = x.shape
+    E = w13.shape[0]
+    probs = torch.softmax(F.linear(x.float(), router_weight.float()), dim=-1)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    flat = ids.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.zeros(E, dtype=torch.int32, device=x.device).scatter_add_(
+        0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    token = order // top_k
+    gate_up = torch._grouped_mm(x[token], w13.transpose(1, 2), offs=offs)
+    gate, up = gate_up.chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w2.transpose(1, 2), offs=offs)
+    y = y.float() * weights.flatten()[order, None]
+    return torch.zeros(M, H, dtype=torch.float32, device=x.device).index_add_(0, token, y).to(x.dtype)
+
+
+def ours(x, router_weight, w13, w2, top_k, shared=None):  # noqa: ANN001, ANN201
+    from kernels_triton import moe
+
+    kw = {} if shared is None else dict(shared_w13=shared[0], shared_w2=shared[1], shared_gate_weight=shared[2])
+    return moe.moe_block(x, router_weight, w13, w2, top_k, **kw)
+
+
+def _time(fn, M: int) -> tuple[float, str]:  # noqa: ANN001
+    if M <= GRAPH_MAX_M:
+        try:
+            return _bench.time_graph_ms(fn), "graph"
+        except Exception as e:  # noqa: BLE001 - fall back to events, and say so
+            print(f"  graph capture failed ({type(e).__name__}: {str(e)[:120]}); timing with events", flush=True)
+            torch.cuda.synchronize()
+    return _bench.time_ms(fn), "events"
+
+
+def _weights(E: int, H: int, I: int, dtype=torch.bfloat16, seed: int = 0) -> dict:  # noqa: ANN001
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def rnd(*s, scale):
+        return (torch.randn(*s, generator=gen, device=DEVICE) * scale).to(dtype)
+
+    return dict(router_weight=rnd(E, H, scale=H**-0.5 * 4), w13=rnd(E, 2 * I, H, scale=H**-0.5),
+                w2=rnd(E, H, I, scale=I**-0.5), shared=(rnd(2 * I, H, scale=H**-0.5), rnd(H, I, scale=I**-0.5),
+                                                         rnd(1, H, scale=H**-0.5)))
+
+
+def _x(M: int, H: int, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed + M)
+    return torch.randn(M, H, generator=gen, device=DEVICE).to(torch.bfloat16)
+
+
+def _routing(x, w, top_k):  # noqa: ANN001, ANN202
+    from kernels_triton.moe import routing
+
+    logits, n_splits = routing.router_logits(x, w["router_weight"], None)
+    return routing.route(logits, top_k, True, n_splits=n_splits)
+
+
+def _stage_ms(x, w, top_k) -> dict:  # noqa: ANN001
+    """Each stage of ours timed alone on its real inputs: where the time goes."""
+    from kernels_triton.moe import align, config, experts
+
+    M, H = x.shape
+    E, I = w["w13"].shape[0], w["w2"].shape[2]
+    up_cfg, down_cfg = config.configs(M, top_k, E, H, I, x.dtype, x.device)
+    weights, ids = _routing(x, w, top_k)
+    al = align.align(ids, n_local=E, block_m=up_cfg.BLOCK_M)
+    h = experts.gate_up(x, w["w13"], None, al, top_k, up_cfg)
+    y = experts.down(h, w["w2"], None, al, weights, down_cfg)
+    stages = {
+        "route": lambda: _routing(x, w, top_k),
+        "align": lambda: align.align(ids, n_local=E, block_m=up_cfg.BLOCK_M),
+        "gate_up": lambda: experts.gate_up(x, w["w13"], None, al, top_k, up_cfg),
+        "down": lambda: experts.down(h, w["w2"], None, al, weights, down_cfg),
+        "combine": lambda: experts.combine(y, al, M, top_k),
+    }
+    return {name: round(_time(fn, M)[0], 5) for name, fn in stages.items()}
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def bench_shape(name: str, M: int, w: dict, ceil: dict, with_breakdown: bool) -> dict:
+    E, k, H, I = SHAPES[name]
+    x = _x(M, H)
+    args = (x, w["router_weight"], w["w13"], w["w2"], k)
+    _, ids = _routing(x, w, k)
+    active = int(torch.unique(ids).numel())
+    weight_bytes = active * 3 * I * H * 2 + E * H * 2
+    expert_flop = 6 * M * k * H * I
+    mem_floor = weight_bytes / ceil["copy_GBps"] / 1e6
+    flop_floor = (expert_flop + 2 * M * E * H) / ceil["bf16_TFLOPs"] / 1e9
+    ours_ms, method = _time(lambda: ours(*args), M)
+    shared_ms, _ = _time(lambda: ours(*args, shared=w["shared"]), M)
+    extra = dict(M=M, E=E, k=k, H=H, I=I, method=method, active_experts=active,
+                 mem_floor_ms=round(mem_floor, 5), flop_floor_ms=round(flop_floor, 5),
+                 x_mem_floor=round(ours_ms / mem_floor, 3), x_floor=round(ours_ms / max(mem_floor, flop_floor), 3),
+                 TFLOPs=round(expert_flop / ours_ms / 1e9, 1), ours_shared_ms=round(shared_ms, 5))
+    anchor_ms = None
+    try:
+        expect = torch_pipeline(*args)
+        extra["rel_err_vs_torch"] = round(_rel(ours(*args), expect), 6)
+        anchor_ms, _ = _time(lambda: torch_pipeline(*args), M)
+        extra["anchor_TFLOPs"] = round(expert_flop / anchor_ms / 1e9, 1)
+    except Exception as e:  # noqa: BLE001 - keep our numbers even if the anchor cannot run
+        extra["anchor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    if with_breakdown:
+        extra["stages_ms"] = _stage_ms(x, w, k)
+    return _bench.row("moe_block_routed", f"{name} M={M}", "bf16", ours_ms, "torch._grouped_mm pipeline",
+                      anchor_ms, **extra)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def run_benchmark(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
+    ceil = dict(_bench.ceilings())
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    rows = []
+    name_json = f"moe_{_config_slug()}"
+    meta = dict(ceilings=ceil, shapes={n: SHAPES[n] for n in shapes}, ms=list(ms), note=__doc__.split("\n")[0])
+    path = None
+    for name in shapes:
+        E, k, H, I = SHAPES[name]
+        w = _weights(E, H, I)
+        for M in ms:
+            t0 = time.time()
+            try:
+                r = bench_shape(name, M, w, ceil, M in BREAKDOWN_MS)
+            except Exception as e:  # noqa: BLE001 - record and go on to the next shape
+                traceback.print_exc()
+                r = _bench.row("moe_block_routed", f"{name} M={M}", "bf16", math.nan, M=M,
+                               error=f"{type(e).__name__}: {str(e)[:300]}")
+            rows.append(r)
+            print(f"  {r['shape']}: ours {r['ours_ms']} ms, torch {r.get('anchor_ms')} ms ({time.time() - t0:.1f}s)",
+                  flush=True)
+            path = _bench.write_results(out, name_json, rows, meta=meta)  # after every row: a killed run keeps them
+        del w
+        torch.cuda.empty_cache()
+    cols = ["shape", "ours_ms", "anchor_ms", "speedup", "x_mem_floor", "x_floor", "TFLOPs", "ours_shared_ms"]
+    print(_bench.format_table(rows, cols))
+    print(f"wrote {path}")
+    return rows
+
+
+# ----------------------------------------------------------------------------- tuning
+
+
+def _candidates(which: str, block_m: int, N: int, K: int, heuristic) -> list:  # noqa: ANN001
+    from kernels_triton.moe.config import GemmConfig
+
+    table = (SMALL_UP if which == "gate_up" else SMALL_DOWN) if block_m <= 32 else (
+        LARGE_UP if which == "gate_up" else LARGE_DOWN)
+    n_cols = N // 2 if which == "gate_up" else N
+    out = [GemmConfig(block_m, heuristic.BLOCK_N, heuristic.BLOCK_K, heuristic.num_warps, heuristic.num_stages)]
+    for bn, bk, warps, stages in table:
+        c = GemmConfig(block_m, bn, bk, warps, stages)
+        if bn <= n_cols and bk <= K and c not in out:
+            out.append(c)
+    return out
+
+
+def _fastest(fn_of_cfg, cands: list, M: int, which: str, tried: list) -> list:  # noqa: ANN001
+    """[(ms, cfg)] for the candidates that ran, fastest first; failures (e.g. out of shared memory) logged."""
+    timed = []
+    for cfg in cands:
+        try:
+            ms, _ = _time(lambda cfg=cfg: fn_of_cfg(cfg), M)
+        except Exception as e:  # noqa: BLE001 - skip the candidate
+            tried.append(dict(which=which, cfg=cfg.as_dict(), error=f"{type(e).__name__}: {str(e)[:80]}"))
+            torch.cuda.synchronize()
+            continue
+        timed.append((ms, cfg))
+        tried.append(dict(which=which, cfg=cfg.as_dict(), ms=round(ms, 5)))
+    return sorted(timed, key=lambda t: t[0])
+
+
+def tune_point(name: str, M: int, w: dict) -> dict:
+    """Best (gate_up, down) configs at M for one shape, with the heuristic's time for comparison."""
+    from kernels_triton.moe import align, config, experts
+    from kernels_triton.moe.config import GemmConfig
+
+    E, k, H, I = SHAPES[name]
+    x = _x(M, H, seed=7)
+    weights, ids = _routing(x, w, k)
+    h_bm = config.block_m_for(M, k, E)
+    order = [16, 32, 64, 128]
+    i = order.index(h_bm)
+    block_ms = [h_bm] if M <= 16 else order[max(0, i - 1):i + 2]
+    heur = {"gate_up": config.heuristic("gate_up", M, k, E, 2 * I, H), "down": config.heuristic("down", M, k, E, H, I)}
+    best, tried, heuristic_ms = None, [], None
+    for bm in block_ms:
+        al = align.align(ids, n_local=E, block_m=bm)
+        up = _fastest(lambda cfg, al=al: experts.gate_up(x, w["w13"], None, al, k, cfg),
+                      _candidates("gate_up", bm, 2 * I, H, heur["gate_up"]), M, "gate_up", tried)
+        if not up:
+            continue
+        h = experts.gate_up(x, w["w13"], None, al, k, up[0][1])
+        down = _fastest(lambda cfg, al=al, h=h: experts.down(h, w["w2"], None, al, weights, cfg),
+                        _candidates("down", bm, H, I, heur["down"]), M, "down", tried)
+        if not down:
+            continue
+        total = up[0][0] + down[0][0]
+        if best is None or total < best[0]:
+            best = (total, up[0][1], down[0][1])
+        if bm == h_bm:
+            as_bm = {which: GemmConfig(bm, *[getattr(c, f) for f in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")])
+                     for which, c in heur.items()}
+            up_h = [t for t, c in up if c == as_bm["gate_up"]]
+            down_h = [t for t, c in down if c == as_bm["down"]]
+            if up_h and down_h:
+                heuristic_ms = round(up_h[0] + down_h[0], 5)
+    if best is None:
+        raise RuntimeError(f"no candidate ran for {name} M={M}: {tried[-3:]}")
+    return dict(shape=name, M=M, best_ms=round(best[0], 5), heuristic_ms=heuristic_ms,
+                gate_up=best[1].as_dict(), down=best[2].as_dict(), tried=tried)
+
+
+def run_tuning(out: Path, shapes: list[str], ms: list[int], budget_s: float) -> list[dict]:
+    from kernels_triton import _config
+    from kernels_triton.moe import config
+
+    t_start = time.time()
+    slug = _config.device_slug(_bench.device_name())
+    docs = {op: {"device": _bench.device_name(), "op": op, "triton": _triton_version(), "entries": {}}
+            for op in (config.GATE_UP_OP, config.DOWN_OP)}
+    points = []
+    for M in ms:  # bucket-major: every shape gets its decode and prefill points before the budget runs out
+        for name in shapes:
+            points.append((M, name))
+    weights = {}
+    results = []
+    for M, name in points:
+        if time.time() - t_start > budget_s:
+            print(f"tuning budget {budget_s:.0f}s spent; {name} M={M} and later left to the heuristic", flush=True)
+            break
+        E, k, H, I = SHAPES[name]
+        if name not in weights:
+            weights[name] = _weights(E, H, I)
+        t0 = time.time()
+        try:
+            r = tune_point(name, M, weights[name])
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            results.append(dict(shape=name, M=M, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            continue
+        results.append(r)
+        for dtype in ("bfloat16", "float16"):  # fp16 runs the same tensor-core rates: same tiles
+            for op, key, cfg in ((config.GATE_UP_OP, f"E={E},N={2 * I},K={H},dtype={dtype}", r["gate_up"]),
+                                 (config.DOWN_OP, f"E={E},N={H},K={I},dtype={dtype}", r["down"])):
+                docs[op]["entries"].setdefault(key, {})[str(M)] = cfg
+        print(f"  tuned {name} M={M}: {r['best_ms']} ms (heuristic {r['heuristic_ms']}) up {r['gate_up']} "
+              f"down {r['down']} ({time.time() - t0:.1f}s)", flush=True)
+        _write_tuning(out, slug, docs, results)  # after every point: a killed run keeps what it found
+    _write_tuning(out, slug, docs, results)
+    print(f"wrote {out / 'configs' / slug} and {out / 'moe_tune.json'} in {time.time() - t_start:.0f}s")
+    return results
+
+
+def _write_tuning(out: Path, slug: str, docs: dict, results: list[dict]) -> None:
+    cfg_dir = out / "configs" / slug
+    cfg_dir.mkdir(parents=True, exist_ok=True)
+    for op, doc in docs.items():
+        (cfg_dir / f"{op}.json").write_text(json.dumps(doc, indent=1, sort_keys=True))
+    (out / "moe_tune.json").write_text(json.dumps(results, indent=1))
+
+
+def _config_slug() -> str:
+    from kernels_triton import _config
+
+    return _config.device_slug(_bench.device_name())
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench_moe", description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for the JSON results (and configs with --tune)")
+    ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, M in {QUICK_MS}")
+    ap.add_argument("--tune", action="store_true", help="sweep GEMM configs instead of benchmarking")
+    ap.add_argument("--tune-budget-s", type=float, default=150.0, help="stop tuning after this many seconds")
+    ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
+    ap.add_argument("--ms", default=None, help="comma-separated token counts")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_moe needs a CUDA device; nothing to do")
+        return 0
+    shapes = args.shapes.split(",") if args.shapes else list(QUICK_SHAPES if args.quick else SHAPES)
+    out = Path(args.out)
+    if args.tune:
+        ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else TUNE_MS)
+        run_tuning(out, shapes, ms, args.tune_budget_s)
+    else:
+        ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else MS)
+        run_benchmark(out, shapes, ms)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
