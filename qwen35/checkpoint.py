@@ -264,21 +264,26 @@ def strip_text_prefix(name: str) -> str | None:
     return name  # unprefixed: reported as unknown unless the mapping knows it
 
 
-def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]],
+                 logger: logging.Logger | None = None) -> set[str]:
     """Copy checkpoint tensors into ``model``; returns the names of the parameters filled.
 
     Raises :class:`CheckpointError` for unknown tensors, wrong shapes and missing tensors.
+    ``logger`` (default ``qwen35.checkpoint``) gets the one INFO line about skipped tensors.
     """
     plan = Plan(model.cfg, model.par)
     params = dict(model.named_parameters())
     seen: set[str] = set()
     unknown: list[str] = []
     skipped = 0
+    prefix = "model." if not model.cfg.nested_text else "model.language_model."
     for raw_name, tensor in weights:
         name = strip_text_prefix(raw_name)
         if name is None:
             skipped += 1
             continue
+        if name != raw_name and name != "lm_head.weight":
+            prefix = raw_name[: len(raw_name) - len(name)]  # to name missing tensors as this checkpoint would
         if name == "lm_head.weight":
             if model.cfg.tie_word_embeddings:
                 seen.add(name)  # tied: the embedding serves as the head
@@ -295,8 +300,9 @@ def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]]
         _copy(params[rule.param], rule, tensor)
         seen.add(name)
     if skipped:
-        log.info("qwen35: skipped %d vision / MTP tensors (model.visual.*, mtp.*): text-only model", skipped)
-    missing = _missing(plan.expected(), seen)
+        (logger or log).info("qwen35: skipped %d vision / MTP tensors (model.visual.*, mtp.*): text-only model",
+                             skipped)
+    missing = [n if n == "lm_head.weight" else prefix + n for n in _missing(plan.expected(), seen)]
     problems = []
     if unknown:
         problems.append(f"unknown tensors (not part of a {model.cfg.architecture} text decoder): {_names(unknown)}")

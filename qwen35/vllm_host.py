@@ -1,0 +1,217 @@
+"""vLLM host: runs :class:`qwen35.model.Qwen35Model` inside vLLM's V1 engine.
+
+Registered (by :mod:`qwen35.vllm_plugin`) for ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``,
+``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``; the last two are
+text-only for now (the class declares no multimodal support, so vLLM rejects image/video input
+before it reaches the engine).
+
+What this host supplies to the model:
+
+- tensor parallelism from vLLM's TP group (rank, world size, all-reduce, all-gather);
+- full attention = vLLM's ``Attention`` layer (paged KV cache, prefix caching, chunked prefill);
+- GDN state = one :class:`VllmGDNState` per GDN layer: a ``MambaBase`` layer of type
+  ``gdn_attention`` whose ``kv_cache = (conv_state, recurrent_state)`` vLLM binds per block;
+  each forward reads vLLM's ``GDNAttentionMetadata`` (decode rows first, then prefills; slots
+  from ``non_spec_state_indices_tensor`` / ``prefill_state_indices``) and runs the model's GDN
+  core inside the opaque custom op ``torch.ops.qwen35.gdn_core``.
+
+State layout is ours, declared through ``get_state_shape``: conv state ``[conv_dim, W - 1]`` in
+the model dtype, recurrent state ``[HV, K, V]`` in fp32 (the layout of :mod:`qwen35.ops`).
+
+vLLM internals used (the supported range is pinned by these): ``vllm.config.VllmConfig`` /
+``get_current_vllm_config`` (``compilation_config.static_forward_context``),
+``vllm.distributed`` TP helpers, ``vllm.forward_context.get_forward_context``
+(``attn_metadata`` dict, ``no_compile_layers``), ``vllm.model_executor.layers.attention.Attention``,
+``vllm.model_executor.layers.mamba.abstract.MambaBase``,
+``vllm.model_executor.layers.mamba.mamba_utils.MambaStateCopyFuncCalculator``,
+``vllm.model_executor.models.interfaces`` (``HasInnerState``, ``IsHybrid``, ``SupportsMRoPE``),
+``vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadata`` and
+``vllm.v1.attention.backends.registry.MambaAttentionBackendEnum``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
+from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from qwen35 import ops
+from qwen35.checkpoint import load_weights
+from qwen35.config import Qwen35Config
+from qwen35.model import GDNStep, Parallel, Qwen35Model, Shards, report_backends_once
+
+# under "vllm." so that vLLM's logging configuration prints it in every vLLM process
+log = logging.getLogger("vllm.qwen35")
+
+
+# ----------------------------------------------------------------------------- GDN state layer
+
+
+@torch.library.custom_op("qwen35::gdn_core", mutates_args=("out",))
+def gdn_core(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    """Opaque to torch.compile / CUDA-graph splitting: conv + delta rule of one GDN layer, in place."""
+    get_forward_context().no_compile_layers[layer_name].forward_core(qkv, a, b, out)
+
+
+@gdn_core.register_fake
+def _gdn_core_fake(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
+    return None
+
+
+class VllmGDNState(MambaBase, nn.Module):
+    """The state caches of one GDN layer as vLLM's hybrid KV-cache manager sees them."""
+
+    def __init__(self, prefix: str, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
+                 conv_dtype: torch.dtype):
+        nn.Module.__init__(self)
+        self.prefix = prefix
+        self.shapes = (tuple(conv_shape), tuple(state_shape))
+        self.dtypes = (conv_dtype, torch.float32)
+        self._core = None
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"duplicate layer name {prefix!r}")
+        context[prefix] = self
+
+    def get_state_shape(self) -> tuple[tuple[int, ...], ...]:
+        return self.shapes
+
+    def get_state_dtype(self) -> tuple[torch.dtype, ...]:
+        return self.dtypes
+
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.GDN_ATTN
+
+    def run(self, core, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        self._core = core
+        torch.ops.qwen35.gdn_core(qkv, a, b, out, self.prefix)
+
+    def forward_core(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+        metadata = get_forward_context().attn_metadata
+        md = metadata.get(self.prefix) if isinstance(metadata, dict) else None
+        if md is None:  # profiling / dummy run: no state to touch
+            return
+        assert isinstance(md, GDNAttentionMetadata)
+        if md.spec_sequence_masks is not None:
+            raise NotImplementedError("qwen35: speculative decoding is not supported by the GDN layers yet")
+        nd, np_ = md.num_decodes, md.num_prefills
+        slots = md.non_spec_state_indices_tensor
+        decode_slots = slots[:nd] if nd else None
+        prefill_slots = md.prefill_state_indices[:np_] if np_ else None
+        conv_view, state_view = self.kv_cache
+        gather = not (conv_view.is_contiguous() and state_view.is_contiguous())
+        if gather:
+            # vLLM packs each block's states into one page, so the pools are strided views; the ops
+            # take contiguous pools, so work on a compact copy of the rows this step touches.
+            used = torch.cat([s for s in (decode_slots, prefill_slots) if s is not None]).long()
+            conv_pool, state_pool = conv_view[used], state_view[used]
+            local = torch.arange(used.numel(), dtype=torch.int32, device=used.device)
+            decode_slots = local[:nd] if nd else None
+            prefill_slots = local[nd:] if np_ else None
+        else:
+            conv_pool, state_pool = conv_view, state_view
+        cu = md.prefill_query_start_loc[: np_ + 1] if np_ else None
+        step = GDNStep(
+            conv_pool=conv_pool, state_pool=state_pool, num_decodes=nd, decode_slots=decode_slots,
+            num_prefill_tokens=md.num_prefill_tokens, prefill_cu_seqlens=cu, prefill_slots=prefill_slots,
+            prefill_has_initial_state=md.prefill_has_initial_state[:np_] if np_ else None,
+            prefill_metadata=ops.prepare_gdn_metadata(cu) if np_ else None)
+        self._core(step, qkv, a, b, out)
+        if gather:
+            conv_view[used] = conv_pool
+            state_view[used] = state_pool
+
+
+# ----------------------------------------------------------------------------- host
+
+
+class VllmHost:
+    def __init__(self, vllm_config: VllmConfig, prefix: str):
+        self.vllm_config, self.prefix = vllm_config, prefix
+        self.parallel = Parallel(
+            rank=get_tensor_model_parallel_rank(), size=get_tensor_model_parallel_world_size(),
+            all_reduce=tensor_model_parallel_all_reduce,
+            all_gather_last_dim=lambda x: tensor_model_parallel_all_gather(x, dim=-1))
+
+    def attention(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Attention:
+        return Attention(num_heads, head_dim, scale, num_kv_heads=num_kv_heads,
+                         cache_config=self.vllm_config.cache_config, quant_config=None,
+                         prefix=f"{self.prefix}.layers.{layer_idx}.self_attn.attn")
+
+    def gdn_state(self, layer_idx: int, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
+                  conv_dtype: torch.dtype) -> VllmGDNState:
+        return VllmGDNState(f"{self.prefix}.layers.{layer_idx}.linear_attn", conv_shape, state_shape, conv_dtype)
+
+
+def _local_state_shapes(cfg: Qwen35Config, tp_size: int) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    sh = Shards.of(cfg, Parallel(size=tp_size))
+    conv_dim = 2 * sh.gdn_key_heads * cfg.linear_key_head_dim + sh.gdn_value_heads * cfg.linear_value_head_dim
+    return ((conv_dim, cfg.linear_conv_kernel_dim - 1),
+            (sh.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
+
+
+class Qwen35ForVllm(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
+    """The vLLM model class for every Qwen3.5 architecture (dense / MoE, CausalLM / text-only CG)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        self.cfg = Qwen35Config.from_hf(vllm_config.model_config.hf_config)
+        report_backends_once(vllm_config.device_config.device, log)
+        host = VllmHost(vllm_config, prefix=f"{prefix}.model" if prefix else "model")
+        self.model = Qwen35Model(self.cfg, host, dtype=vllm_config.model_config.dtype)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
+        if intermediate_tensors is not None:
+            raise NotImplementedError("qwen35: pipeline parallelism is not supported")
+        return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Explicit mapping (qwen35.checkpoint); raises naming unknown / missing / mis-shaped tensors."""
+        with torch.no_grad():
+            load_weights(self.model, weights, logger=log)
+        return {name for name, _ in self.named_parameters()}
+
+    def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
+        """Text-only: all three mrope rows are the plain positions."""
+        if mm_features:
+            raise ValueError("qwen35: this Qwen3.5 host is text-only; image/video inputs are not supported yet")
+        return torch.arange(len(input_tokens), dtype=torch.long).unsqueeze(0).expand(3, -1), 0
+
+    # ---- hybrid-cache contract (classmethods: vLLM sizes pages before building the model)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> tuple[tuple[int, ...], ...]:
+        cfg = Qwen35Config.from_hf(vllm_config.model_config.hf_config)
+        return _local_state_shapes(cfg, vllm_config.parallel_config.tensor_parallel_size)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig) -> tuple[torch.dtype, torch.dtype]:
+        return vllm_config.model_config.dtype, torch.float32
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> tuple:
+        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
