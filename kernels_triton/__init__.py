@@ -8,6 +8,11 @@ there, before dispatch).
 from __future__ import annotations
 
 # --- GDN, causal conv1d, norms: ops exported here ---
+from kernels_triton.conv1d import causal_conv1d_prefill, causal_conv1d_update  # noqa: E402, F401
+from kernels_triton.gdn import gdn_chunk_prefill, gdn_recurrent_step, prepare_gdn_metadata  # noqa: E402, F401
+from kernels_triton.norms import rms_norm_gated, rms_norm_zero_centered  # noqa: E402, F401
+
+# isort: split
 # --- MoE: ops exported here ---
 from kernels_triton.moe import moe_block, moe_experts, moe_route  # noqa: E402,F401
 

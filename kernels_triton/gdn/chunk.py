@@ -1,0 +1,429 @@
+"""Chunked Gated DeltaNet prefill in two launches (varlen, grouped value heads, fused gating and L2 norm).
+
+The WY/UT chunk form of :mod:`qwen35.reference.gdn` is split where its dependencies split:
+
+1. ``_chunk_prepare_kernel`` -- one program per (chunk, value head), all chunks in parallel. It
+   does every piece that does not need the running state: gating from raw a/b (or g/beta),
+   chunk-local cumulative decay, L2 norm of q/k, ``A = strict_lower(beta K K^T * Gamma)``,
+   ``T = (I + A)^-1`` (16-row blocks by substitution, then two block merges with dots),
+   ``W = T beta K exp(g)``, ``U = T beta V`` and the masked intra-chunk scores
+   ``Aqk = (Q K^T * Gamma)`` on and below the diagonal. It writes W, U, Aqk and the cumulative
+   decay to a head-major workspace.
+2. ``_chunk_scan_kernel`` -- one program per (sequence, value head, V block), walking the chunks
+   of its sequence in order with its slice of the state ``S[:, v-block]`` in registers:
+   ``V' = U - W S``, ``O = (Q exp(g)) S + Aqk V'``, ``S <- exp(g_C) S + (K exp(g_C - g))^T V'``.
+   The state never leaves the chip between chunks (no per-chunk state tensor, no V' tensor),
+   and the output is produced in the same pass. Columns of S are independent, so splitting V
+   into blocks keeps the GPU busy when there are few heads (TP4/TP8) or one long sequence.
+
+Numerics: decays enter only as chunk-local differences ``g_i - g_j`` (i >= j) and ``g_C - g_i``;
+S and all accumulations are fp32. The workspace is bf16 for bf16 inputs and fp32 for fp16/fp32
+inputs (fp16 could overflow there); dots run with bf16 operands for bf16, tf32 for fp16 and full
+fp32 (``ieee``) for fp32 inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_triton import _config
+
+CHUNK = 64  # tokens per chunk; the kernels are written for 16 <= C <= 64 (inverse by 16-row blocks)
+MAX_HEAD_DIM = 256  # K and V beyond this would not fit the per-program tiles
+L2_EPS = 1e-6  # as qwen35.reference.gdn.l2_normalize
+
+
+@dataclass(frozen=True)
+class GdnChunkMetadata:
+    """Per-batch chunk table for :func:`gdn_chunk_prefill`, built once by :func:`prepare_gdn_metadata`.
+
+    ``chunk_bounds`` ``[num_chunks, 2]`` int32 holds (first token, end token) of every chunk of
+    every sequence, in order; ``cu_seqlens`` is the tensor it was built from (checked by identity
+    of storage and length, not by value, so no synchronisation happens at use).
+    """
+
+    chunk_bounds: torch.Tensor
+    num_chunks: int
+    chunk_size: int
+    cu_seqlens: torch.Tensor
+
+
+def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> GdnChunkMetadata:
+    """Chunk table for a batch (one host synchronisation, here, instead of one per layer).
+
+    This backend always uses ``CHUNK``-token chunks; ``chunk_size`` is accepted for the façade's
+    signature (the result of the op does not depend on it beyond rounding).
+    """
+    bounds = []
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:], strict=True):
+        bounds += [(s, min(s + CHUNK, end)) for s in range(start, end, CHUNK)]
+    table = torch.tensor(bounds or [(0, 0)], dtype=torch.int32).to(cu_seqlens.device, non_blocking=True)
+    return GdnChunkMetadata(table, len(bounds), CHUNK, cu_seqlens)
+
+
+def _chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, int]:
+    """The chunk table computed with device ops only (no sync): ``T // C + N`` rows, unused rows empty."""
+    N = cu_seqlens.numel() - 1
+    cu = cu_seqlens.long()
+    counts = (cu[1:] - cu[:-1] + CHUNK - 1) // CHUNK
+    ends = counts.cumsum(0)
+    rows = T // CHUNK + N
+    idx = torch.arange(rows, device=cu.device)
+    seq = torch.searchsorted(ends, idx, right=True).clamp_max(N - 1)
+    start = cu[seq] + (idx - (ends[seq] - counts[seq])) * CHUNK
+    end = torch.minimum(start + CHUNK, cu[seq + 1])
+    valid = idx < ends[-1]
+    table = torch.stack([torch.where(valid, start, 0), torch.where(valid, end, 0)], dim=1)
+    return table.to(torch.int32), rows
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+@triton.jit
+def _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV: tl.constexpr,
+            RAW_GATING: tl.constexpr):
+    """(g, beta) fp32 for token rows ``t`` of value head ``hv``; zero on masked rows."""
+    if RAW_GATING:
+        x = tl.load(a_ptr + t * HV + hv, mask=tmask, other=0.0).to(tl.float32)
+        x = x + tl.load(dt_bias_ptr + hv).to(tl.float32)
+        softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
+        g = -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32)) * softplus
+        braw = tl.load(b_ptr + t * HV + hv, mask=tmask, other=0.0).to(tl.float32)
+        beta = 1.0 / (1.0 + tl.exp(-braw))
+    else:
+        g = tl.load(g_ptr + t * HV + hv, mask=tmask, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * HV + hv, mask=tmask, other=0.0).to(tl.float32)
+    return tl.where(tmask, g, 0.0), tl.where(tmask, beta, 0.0)
+
+
+@triton.jit
+def _tile_mask(rmask, cols, D: tl.constexpr, EVEN: tl.constexpr):
+    """Row mask, and the column mask only when the tile overhangs: a mask that is constant along the
+    columns keeps loads and stores vectorised (and their address registers few)."""
+    if EVEN:
+        return rmask[:, None]
+    else:
+        return rmask[:, None] & (cols[None, :] < D)
+
+
+@triton.jit
+def _load_state(ptrs, mask):
+    """A state tile as fp32; ``mask`` None when the tile does not overhang."""
+    if mask is None:
+        return tl.load(ptrs).to(tl.float32)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _load_rows(ptr, t, tmask, head, NHEADS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+    """Rows ``t`` of head ``head`` of a ``[T, NHEADS, D]`` tensor, ``[len(t), BD]`` in its own dtype (0 outside)."""
+    cols = tl.arange(0, BD)
+    return tl.load(ptr + (t[:, None] * NHEADS + head) * D + cols[None, :],
+                   mask=_tile_mask(tmask, cols, D, BD == D), other=0.0)
+
+
+@triton.jit
+def _inv_l2(x, L2: tl.constexpr):
+    """Per-row factor that L2-normalises ``x`` (1 without L2). Norms are applied as row scales of small
+    products, so the big q/k tiles go into the dots exactly as loaded."""
+    if L2:
+        xf = x.to(tl.float32)
+        return tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
+    else:
+        return tl.full((x.shape[0],), 1.0, dtype=tl.float32)
+
+
+@triton.jit
+def _unit_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``(I + A)^-1`` for a strictly lower-triangular fp32 ``[C, C]`` tile (C in 16, 32, 64).
+
+    Diagonal 16x16 blocks by column-oriented forward substitution (all four at once), then
+    block merges ``T_21 = -T_22 A_21 T_11`` at 16 -> 32 and 32 -> 64 with two dots each.
+    """
+    rows = tl.arange(0, C)
+    i = rows[:, None]
+    j = rows[None, :]
+    same16 = (i // 16) == (j // 16)
+    X = tl.where(i == j, 1.0, 0.0)
+    Ad = tl.where(same16, A, 0.0)
+    for p in tl.static_range(15):
+        # Column p of each block is final in X's row (block start + p); subtract it from later rows.
+        a_col = tl.sum(tl.where(j == (i // 16) * 16 + p, Ad, 0.0), axis=1)  # A[i, block(i) + p]
+        x_row = tl.sum(tl.where(i == (j // 16) * 16 + p, X, 0.0), axis=0)  # X[block(c) + p, c]
+        X = X - tl.where(same16 & ((i % 16) > p), a_col[:, None] * x_row[None, :], 0.0)
+    if C > 16:
+        same32 = (i // 32) == (j // 32)
+        P = tl.dot(tl.where(same32 & (i // 16 != j // 16), A, 0.0), X, input_precision=DOT_PREC)
+        X = X - tl.dot(X, P, input_precision=DOT_PREC)
+        if C > 32:
+            P = tl.dot(tl.where(i // 32 != j // 32, A, 0.0), X, input_precision=DOT_PREC)
+            X = X - tl.dot(X, P, input_precision=DOT_PREC)
+    return X
+
+
+@triton.jit
+def _chunk_prepare_kernel(
+    q_ptr, k_ptr, v_ptr,
+    g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+    bounds_ptr,
+    w_ptr, u_ptr, aqk_ptr, gcum_ptr,
+    T, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    chunk = tl.program_id(0)
+    hv = tl.program_id(1)
+    h = hv // (HV // H)
+    if VARLEN:
+        start = tl.load(bounds_ptr + 2 * chunk)
+        end = tl.load(bounds_ptr + 2 * chunk + 1)
+    else:
+        start = chunk * C
+        end = tl.minimum(start + C, T)
+    if end > start:
+        rows = tl.arange(0, C)
+        t = (start + rows).to(tl.int64)
+        tmask = t < end
+        ws_dtype = w_ptr.dtype.element_ty  # workspace and dot-operand dtype
+
+        g, beta = _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV, RAW_GATING)
+        g = tl.cumsum(g, axis=0)  # chunk-local cumulative log-decay
+        tl.store(gcum_ptr + hv * T + t, g, mask=tmask)
+
+        i = rows[:, None]
+        j = rows[None, :]
+        gamma = tl.exp(tl.where(i >= j, g[:, None] - g[None, :], float("-inf")))  # exp(g_i - g_j), i >= j
+
+        k = _load_rows(k_ptr, t, tmask, h, H, K, BK).to(ws_dtype)
+        rk = _inv_l2(k, USE_L2)
+        q = _load_rows(q_ptr, t, tmask, h, H, K, BK).to(ws_dtype)
+        rq = _inv_l2(q, USE_L2) * scale
+        aqk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * (rq[:, None] * rk[None, :]) * gamma
+        tl.store(aqk_ptr + (hv * T + t[:, None]) * C + j, aqk.to(ws_dtype), mask=tmask[:, None])
+
+        A = tl.dot(k, tl.trans(k), input_precision=DOT_PREC)
+        A = tl.where(i > j, A * ((beta * rk)[:, None] * rk[None, :]) * gamma, 0.0)
+        Tinv = _unit_lower_inverse(A, C, DOT_PREC)
+
+        # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V: the diagonals scale T's columns.
+        kcols = tl.arange(0, BK)
+        w = tl.dot((Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype), k, input_precision=DOT_PREC)
+        tl.store(w_ptr + (hv * T + t[:, None]) * K + kcols[None, :], w.to(ws_dtype),
+                 mask=_tile_mask(tmask, kcols, K, BK == K))
+
+        vcols = tl.arange(0, BV)
+        vmask = _tile_mask(tmask, vcols, V, BV == V)
+        v = tl.load(v_ptr + (t[:, None] * HV + hv) * V + vcols[None, :], mask=vmask, other=0.0).to(ws_dtype)
+        u = tl.dot((Tinv * beta[None, :]).to(ws_dtype), v, input_precision=DOT_PREC)
+        tl.store(u_ptr + (hv * T + t[:, None]) * V + vcols[None, :], u.to(ws_dtype), mask=vmask)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr,
+    cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
+    T, scale,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
+    HAS_INIT_FLAGS: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    vb = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    h = hv // (HV // H)
+    if VARLEN:
+        seq_start = tl.load(cu_ptr + n).to(tl.int64)
+        seq_end = tl.load(cu_ptr + n + 1).to(tl.int64)
+    else:
+        seq_start = tl.zeros((), dtype=tl.int64)
+        seq_end = seq_start + T
+    ws_dtype = w_ptr.dtype.element_ty
+
+    kcols = tl.arange(0, BK)
+    vcols = vb * BV + tl.arange(0, BV)
+    if (BK == K) & (V % BV == 0):
+        smask = None
+    else:
+        smask = (kcols[:, None] < K) & (vcols[None, :] < V)
+    s_off = (hv * K + kcols[:, None]).to(tl.int64) * V + vcols[None, :]  # offset inside one [HV, K, V] state
+
+    # Initial state: a per-sequence tensor, a pool slot (negative slot or has_initial_state False: zeros), or zeros.
+    S = tl.zeros((BK, BV), dtype=tl.float32)
+    if POOL:
+        slot = tl.load(slots_ptr + n).to(tl.int64)
+        use_init = slot >= 0
+        if HAS_INIT_FLAGS:
+            use_init = use_init & (tl.load(has_init_ptr + n) != 0)
+        if use_init:
+            S = _load_state(h0_ptr + slot * (HV * K * V) + s_off, smask)
+    elif STATE_IN:
+        S = _load_state(h0_ptr + n.to(tl.int64) * (HV * K * V) + s_off, smask)
+
+    rows = tl.arange(0, C)
+    for chunk_start in range(seq_start, seq_end, C):
+        t = chunk_start + rows
+        tmask = t < seq_end
+        last = tl.minimum(chunk_start + C, seq_end) - 1
+        g = tl.load(gcum_ptr + hv * T + t, mask=tmask, other=0.0)
+        g_last = tl.load(gcum_ptr + hv * T + last)
+
+        q = _load_rows(q_ptr, t, tmask, h, H, K, BK).to(ws_dtype)
+        k = _load_rows(k_ptr, t, tmask, h, H, K, BK).to(ws_dtype)
+        w = tl.load(w_ptr + (hv * T + t[:, None]) * K + kcols[None, :], mask=_tile_mask(tmask, kcols, K, BK == K),
+                    other=0.0)
+        vmask = _tile_mask(tmask, vcols, V, V % BV == 0)
+        u = tl.load(u_ptr + (hv * T + t[:, None]) * V + vcols[None, :], mask=vmask, other=0.0).to(tl.float32)
+        aqk = tl.load(aqk_ptr + (hv * T + t[:, None]) * C + rows[None, :], mask=tmask[:, None], other=0.0)
+
+        # q and k go into the dots as loaded; their norms, scale and decays are row scales of the results.
+        Sd = S.to(ws_dtype)
+        v_new = u - tl.dot(w, Sd, input_precision=DOT_PREC)
+        o = tl.dot(q, Sd, input_precision=DOT_PREC) * (_inv_l2(q, USE_L2) * scale * tl.exp(g))[:, None]
+        o = tl.dot(aqk, v_new.to(ws_dtype), acc=o, input_precision=DOT_PREC)
+        tl.store(o_ptr + (t[:, None] * HV + hv) * V + vcols[None, :], o.to(o_ptr.dtype.element_ty), mask=vmask)
+        v_scaled = (v_new * (_inv_l2(k, USE_L2) * tl.exp(g_last - g))[:, None]).to(ws_dtype)
+        S = S * tl.exp(g_last) + tl.dot(tl.trans(k), v_scaled, input_precision=DOT_PREC)
+
+    if POOL:
+        if slot >= 0:
+            tl.store(ht_ptr + slot * (HV * K * V) + s_off, S.to(ht_ptr.dtype.element_ty), mask=smask)
+    elif STATE_OUT:
+        tl.store(ht_ptr + n.to(tl.int64) * (HV * K * V) + s_off, S.to(ht_ptr.dtype.element_ty), mask=smask)
+
+
+# ----------------------------------------------------------------------------- host side
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, triton.next_power_of_2(n))
+
+
+def check_head_dims(K: int, V: int) -> None:
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"triton GDN kernels take head dims K, V <= {MAX_HEAD_DIM}; got K={K}, V={V}")
+
+
+def workspace_dtype(dtype: torch.dtype) -> tuple[torch.dtype, str]:
+    """(workspace / dot-operand dtype, dot input precision) for an activation dtype."""
+    if dtype == torch.bfloat16:
+        return torch.bfloat16, "tf32"
+    if dtype == torch.float16:
+        return torch.float32, "tf32"  # fp16 workspace could overflow; tf32 keeps fp16-level precision
+    if dtype == torch.float32:
+        return torch.float32, "ieee"
+    raise ValueError(f"triton GDN kernels take fp16, bf16 or fp32 activations, got {dtype}")
+
+
+def _scan_config(device: torch.device, N: int, HV: int, V: int, T: int, dtype: torch.dtype) -> dict:
+    """Phase-2 launch config: tuned file entry if present, else enough V blocks to fill the device."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    key = f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}"
+    tuned = _config.lookup("gdn_chunk_scan", name, key, tokens=T) if device.type == "cuda" else None
+    if tuned:
+        return dict(tuned)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    BV = min(64, _pow2(V))
+    while BV > 16 and N * HV * triton.cdiv(V, BV) < 2 * sms:
+        BV //= 2
+    return {"BV": BV, "num_warps": 4, "num_stages": 2}
+
+
+def _prepare_config(device: torch.device) -> dict:
+    return {"num_warps": 8 if device.type == "cuda" else 4, "num_stages": 1}
+
+
+def gdn_chunk_prefill(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_state: torch.Tensor | None = None,
+    state_pool: torch.Tensor | None = None,
+    state_slots: torch.Tensor | None = None,
+    has_initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    chunk_size: int = 64,
+    metadata: object | None = None,
+    scan_config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Triton implementation of :func:`qwen35.ops.gdn_chunk_prefill` (see the module docstring).
+
+    ``scan_config`` overrides the phase-2 launch config (``BV``, ``num_warps``, ``num_stages``);
+    the benchmark uses it to time variants.
+    """
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    check_head_dims(K, V)
+    ws_dtype, dot_prec = workspace_dtype(q.dtype)
+    for name, st in (("initial_state", initial_state), ("state_pool", state_pool)):
+        if st is not None and st.dtype not in (torch.float32, torch.float64):
+            raise ValueError(f"{name} has dtype {st.dtype}; states are fp32 (fp64 accepted)")
+    dev = q.device
+    scale = K**-0.5 if scale is None else float(scale)
+    varlen = cu_seqlens is not None
+    N = cu_seqlens.numel() - 1 if varlen else 1
+    BK, BV_full = _pow2(K), _pow2(V)
+    o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
+
+    # Phase 1: everything that does not need the running state, all chunks in parallel.
+    w = torch.empty(HV, T, K, dtype=ws_dtype, device=dev)
+    u = torch.empty(HV, T, V, dtype=ws_dtype, device=dev)
+    aqk = torch.empty(HV, T, CHUNK, dtype=ws_dtype, device=dev)
+    gcum = torch.empty(HV, T, dtype=torch.float32, device=dev)
+    if varlen:
+        if isinstance(metadata, GdnChunkMetadata):
+            if metadata.cu_seqlens.data_ptr() != cu_seqlens.data_ptr() or metadata.cu_seqlens.numel() != N + 1:
+                raise ValueError("metadata was prepared for another cu_seqlens tensor; call prepare_gdn_metadata "
+                                 "on this batch's cu_seqlens")
+            bounds, num_chunks = metadata.chunk_bounds, metadata.num_chunks
+        elif metadata is None:
+            bounds, num_chunks = (_chunk_bounds_on_device(cu_seqlens, T) if N > 0 else (None, 0))
+        else:
+            raise ValueError(f"metadata must come from kernels_triton.prepare_gdn_metadata, got {type(metadata)}")
+    else:
+        bounds, num_chunks = None, triton.cdiv(T, CHUNK)
+    raw = a is not None
+    if num_chunks > 0 and T > 0:
+        _chunk_prepare_kernel[(num_chunks, HV)](
+            q, k, v, g, beta, a, b, A_log, dt_bias, bounds, w, u, aqk, gcum, T, scale,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV_full, C=CHUNK,
+            VARLEN=varlen, RAW_GATING=raw, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec, **_prepare_config(dev))
+
+    # Phase 2: the sequential pass over chunks, state in registers, output and final state written.
+    pool = state_pool is not None
+    final = None
+    if pool:
+        h0, ht = state_pool, state_pool
+    else:
+        h0 = initial_state
+        if output_final_state:
+            final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
+        ht = final
+    if N > 0:
+        cfg = dict(scan_config or _scan_config(dev, N, HV, V, T, q.dtype))
+        BV = cfg.pop("BV")
+        _chunk_scan_kernel[(triton.cdiv(V, BV), N * HV)](
+            q, k, w, u, aqk, gcum, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T, scale,
+            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=CHUNK,
+            VARLEN=varlen, STATE_IN=h0 is not None, STATE_OUT=ht is not None, POOL=pool,
+            HAS_INIT_FLAGS=has_initial_state is not None, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec, **cfg)
+    return o, final

@@ -1,0 +1,127 @@
+"""Gated DeltaNet decode step: 1..8 tokens per sequence, recurrent form, state pool updated in place.
+
+One program per (sequence, value head, V block) loads its slice ``S[:, v-block]`` of the pool
+slot once, runs the tokens through it and stores it back: the state is read and written exactly
+once, which is all the HBM traffic that matters here (the op is memory-bound). Per token,
+``S^T k`` and ``S^T q`` come from one pass over the old state::
+
+    S' = e^g S + k d^T,   d = beta (v - e^g S^T k),   o = S'^T q = e^g S^T q + d (k . q)
+
+Padding rows (slot < 0) write zero output and leave the pool alone. No host synchronisation and
+no value-dependent allocation: the launch is CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels_triton import _config
+from kernels_triton.gdn.chunk import _gating, check_head_dims
+
+
+@triton.jit
+def _recurrent_step_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+    pool_ptr, slots_ptr, o_ptr, scale,
+    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
+):
+    vb = tl.program_id(0)
+    nh = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    h = hv // (HV // H)
+    kcols = tl.arange(0, BK)
+    vcols = vb * BV + tl.arange(0, BV)
+    kmask = kcols < K
+    vmask = vcols < V
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    row0 = n.to(tl.int64) * T  # first token row of this sequence in the flattened [B*T, ...] inputs
+    if slot < 0:
+        for t in tl.static_range(T):
+            tl.store(o_ptr + ((row0 + t) * HV + hv) * V + vcols, tl.zeros((BV,), dtype=o_ptr.dtype.element_ty),
+                     mask=vmask)
+    else:
+        s_ptrs = pool_ptr + ((slot * HV + hv) * K + kcols[:, None]) * V + vcols[None, :]
+        smask = kmask[:, None] & vmask[None, :]
+        S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
+        for t in tl.static_range(T):
+            row = row0 + t
+            g, beta = _gating(row, row >= 0, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV, RAW_GATING)
+            q = tl.load(q_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
+            k = tl.load(k_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
+            if USE_L2:
+                q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+                k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+            q = q * scale
+            v = tl.load(v_ptr + (row * HV + hv) * V + vcols, mask=vmask, other=0.0).to(tl.float32)
+            decay = tl.exp(g)
+            Sk = tl.sum(S * k[:, None], axis=0)
+            Sq = tl.sum(S * q[:, None], axis=0)
+            d = beta * (v - decay * Sk)
+            o = decay * Sq + d * tl.sum(k * q, axis=0)
+            tl.store(o_ptr + (row * HV + hv) * V + vcols, o.to(o_ptr.dtype.element_ty), mask=vmask)
+            S = S * decay + k[:, None] * d[None, :]
+        tl.store(s_ptrs, S.to(pool_ptr.dtype.element_ty), mask=smask)
+
+
+@functools.cache
+def _device_facts(index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def _step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
+    """V block and warps: tuned file entry if present, else blocks small enough to give every SM work."""
+    if device.type != "cuda":
+        return {"BV": min(32, triton.next_power_of_2(V)), "num_warps": 4}
+    name, sms = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+    tuned = _config.lookup("gdn_recurrent_step", name, f"HV={HV},V={V}", tokens=B)
+    if tuned:
+        return dict(tuned)
+    BV = min(64, triton.next_power_of_2(V))
+    while BV > 8 and B * HV * triton.cdiv(V, BV) < 4 * sms:
+        BV //= 2
+    return {"BV": BV, "num_warps": 4 if BV >= 32 else 2}
+
+
+def gdn_recurrent_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    state_pool: torch.Tensor,
+    state_slots: torch.Tensor,
+    g: torch.Tensor | None = None,
+    beta: torch.Tensor | None = None,
+    a: torch.Tensor | None = None,
+    b: torch.Tensor | None = None,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    step_config: dict | None = None,
+) -> torch.Tensor:
+    """Triton implementation of :func:`qwen35.ops.gdn_recurrent_step` (see the module docstring)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    check_head_dims(K, V)
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"triton GDN kernels take fp16, bf16 or fp32 activations, got {q.dtype}")
+    if state_pool.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"state_pool has dtype {state_pool.dtype}; states are fp32 (fp64 accepted)")
+    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    if B == 0:
+        return o
+    cfg = dict(step_config or _step_config(q.device, B, HV, V))
+    BV = cfg.pop("BV")
+    _recurrent_step_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, g, beta, a, b, A_log, dt_bias, state_pool, state_slots, o,
+        K**-0.5 if scale is None else float(scale),
+        T=T, H=H, HV=HV, K=K, V=V, BK=max(16, triton.next_power_of_2(K)), BV=BV,
+        RAW_GATING=a is not None, USE_L2=use_qk_l2norm, **cfg)
+    return o

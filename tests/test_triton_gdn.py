@@ -1,0 +1,184 @@
+"""Triton GDN kernels (chunked prefill, decode step) vs the fp64 reference, on CPU under TRITON_INTERPRET=1.
+
+Small shapes, but every path: ragged varlen batches with length 0 and 1 sequences and several
+chunks, grouped value heads, initial states from tensors / pool slots (padding, has_initial_state
+False), final states returned or written back, raw and precomputed gating, L2 norm on and off,
+head dims that are not powers of two, fp32 and fp16, continuation prefill -> decode, and the
+façade forced to ``triton`` (probe self-test included).
+"""
+
+from __future__ import annotations
+
+import os
+
+if not __import__("torch").cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported (also done by conftest)
+
+import pytest
+import torch
+from helpers import assert_close, cu_from_lens, gdn_inputs
+
+import kernels_triton as kt
+from qwen35 import ops
+from qwen35 import reference as ref
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3}
+
+
+def _to64(d: dict) -> dict:
+    return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in d.items()}
+
+
+def _inputs(lens, H, HV, K, V, dtype, *, raw=True, decay="normal", seed=0, l2=True):
+    d = gdn_inputs(sum(lens), H, HV, K, V, dtype=dtype, device=DEV, seed=seed, raw=raw, decay=decay)
+    if not l2:  # without the in-kernel norm, feed unit-norm keys so the recurrence stays bounded
+        d["k"] = torch.nn.functional.normalize(d["k"].float(), dim=-1).to(dtype)
+        d["q"] = torch.nn.functional.normalize(d["q"].float(), dim=-1).to(dtype)
+    return d
+
+
+PREFILL_CASES = {
+    # name: (lens, H, HV, K, V)
+    "ragged_grouped": ([5, 70, 0, 1, 130], 2, 4, 32, 32),
+    "one_chunk_edges": ([64, 1, 65, 0], 1, 2, 16, 64),
+    "odd_head_dims": ([33, 80], 2, 2, 24, 40),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("case", list(PREFILL_CASES))
+def test_prefill_pool_slots(case, dtype):
+    lens, H, HV, K, V = PREFILL_CASES[case]
+    N = len(lens)
+    d = _inputs(lens, H, HV, K, V, dtype)
+    cu = cu_from_lens(lens, DEV)
+    gen = torch.Generator().manual_seed(1)
+    pool = (torch.randn(N + 3, HV, K, V, generator=gen) * 0.1).to(DEV)
+    slots = torch.tensor([N + 2 - i if i % 3 != 1 else -1 for i in range(N)], dtype=torch.int32, device=DEV)
+    has_init = torch.tensor([i % 2 == 0 for i in range(N)], device=DEV)
+    ours_pool, ref_pool = pool.clone(), pool.double().cpu()
+    o, none = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=ours_pool, state_slots=slots,
+                                   has_initial_state=has_init, use_qk_l2norm=True)
+    ro, _ = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(), state_pool=ref_pool,
+                                  state_slots=slots.cpu(), has_initial_state=has_init.cpu(), use_qk_l2norm=True)
+    assert none is None
+    assert o.dtype == dtype
+    assert_close(o, ro, TOL[dtype], "output")
+    assert_close(ours_pool, ref_pool, TOL[dtype], "pool")
+    named = set(slots[slots >= 0].tolist())
+    for s in range(pool.shape[0]):
+        if s not in named:
+            assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
+
+
+@pytest.mark.parametrize("decay", ["weak", "strong"])
+def test_prefill_initial_state_tensor_and_final(decay):
+    lens, H, HV, K, V = [70, 0, 130, 1], 2, 4, 32, 16
+    d = _inputs(lens, H, HV, K, V, torch.float32, raw=False, decay=decay, l2=False)
+    cu = cu_from_lens(lens, DEV)
+    h0 = (torch.randn(len(lens), HV, K, V, generator=torch.Generator().manual_seed(2)) * 0.1).to(DEV)
+    o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, initial_state=h0, output_final_state=True)
+    ro, rht = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(),
+                                    initial_state=h0.double().cpu(), output_final_state=True)
+    assert_close(o, ro, TOL[torch.float32], "output")
+    assert_close(ht, rht, TOL[torch.float32], "final state")
+    assert ht.dtype == torch.float32
+
+
+def test_prefill_single_sequence_no_state_and_metadata():
+    """cu_seqlens=None; and with cu_seqlens the result is the same with or without prepared metadata."""
+    T, H, HV, K, V = 150, 2, 2, 32, 32
+    d = _inputs([T], H, HV, K, V, torch.float32)
+    o, ht = kt.gdn_chunk_prefill(**d, output_final_state=True, use_qk_l2norm=True)
+    ro, rht = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), output_final_state=True,
+                                    use_qk_l2norm=True)
+    assert_close(o, ro, TOL[torch.float32], "output")
+    assert_close(ht, rht, TOL[torch.float32], "final state")
+    o_none, _ = kt.gdn_chunk_prefill(**d, use_qk_l2norm=True)
+    assert torch.equal(o_none, o)
+
+    cu = cu_from_lens([T], DEV)
+    meta = kt.prepare_gdn_metadata(cu, 64)
+    o_meta, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, use_qk_l2norm=True, metadata=meta)
+    o_dev, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, use_qk_l2norm=True)
+    assert torch.equal(o_meta, o) and torch.equal(o_dev, o)
+    with pytest.raises(ValueError, match="another cu_seqlens"):
+        kt.gdn_chunk_prefill(**d, cu_seqlens=cu.clone(), metadata=meta)
+
+
+def test_prefill_chunk_table_host_and_device_agree():
+    from kernels_triton.gdn.chunk import _chunk_bounds_on_device
+
+    cu = torch.tensor([0, 5, 5, 134, 135], dtype=torch.int32)
+    expected = [[0, 5], [5, 69], [69, 133], [133, 134], [134, 135]]
+    meta = kt.prepare_gdn_metadata(cu, 64)
+    assert meta.num_chunks == 5 and meta.chunk_bounds.tolist() == expected
+    table, rows = _chunk_bounds_on_device(cu, 135)
+    assert rows >= 5 and table[:5].tolist() == expected
+    assert all(s == e for s, e in table[5:].tolist()), "rows past the last chunk must be empty"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_step_pool(dtype, T):
+    B, H, HV, K, V = 4, 2, 4, 32, 32
+    d = gdn_inputs(T, H, HV, K, V, dtype=dtype, device=DEV, raw=(T == 1), batch=(B,), seed=3)
+    pool = (torch.randn(6, HV, K, V, generator=torch.Generator().manual_seed(4)) * 0.1).to(DEV)
+    slots = torch.tensor([5, -1, 0, 2], dtype=torch.int32, device=DEV)
+    ours_pool, ref_pool = pool.clone(), pool.double().cpu()
+    o = kt.gdn_recurrent_step(**d, state_pool=ours_pool, state_slots=slots, use_qk_l2norm=True)
+    ro = ref.gdn_recurrent_step(**_to64({k: v.cpu() for k, v in d.items()}), state_pool=ref_pool,
+                                state_slots=slots.cpu(), use_qk_l2norm=True)
+    assert_close(o, ro, TOL[dtype], "output")
+    assert_close(ours_pool, ref_pool, TOL[dtype], "pool")
+    assert torch.all(o[1] == 0), "padding row must have zero output"
+    for s in (1, 3, 4):
+        assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
+
+
+def test_continuation_prefill_then_decode():
+    """Prefill the first part into a pool slot, decode the rest token by token: same as one prefill."""
+    T0, T1, H, HV, K, V = 70, 3, 1, 2, 16, 16
+    d = _inputs([T0 + T1], H, HV, K, V, torch.float32)
+    pool = torch.zeros(2, HV, K, V, device=DEV)
+    slot = torch.tensor([1], dtype=torch.int32, device=DEV)
+    head = {k: (v[:T0] if v.dim() and v.shape[0] == T0 + T1 else v) for k, v in d.items()}
+    o0, _ = kt.gdn_chunk_prefill(**head, state_pool=pool, state_slots=slot, use_qk_l2norm=True)
+    outs = [o0]
+    for t in range(T0, T0 + T1):
+        step = {k: (v[t:t + 1][None] if v.dim() and v.shape[0] == T0 + T1 else v) for k, v in d.items()}
+        outs.append(kt.gdn_recurrent_step(**step, state_pool=pool, state_slots=slot, use_qk_l2norm=True)[0])
+    ro, rht = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), output_final_state=True,
+                                    use_qk_l2norm=True)
+    assert_close(torch.cat(outs), ro, TOL[torch.float32], "continued output")
+    assert_close(pool[1], rht[0], TOL[torch.float32], "state after continuation")
+
+
+def test_unsupported_head_dim_raises_before_launch():
+    d = gdn_inputs(4, 1, 1, 512, 16, device=DEV)
+    with pytest.raises(ValueError, match="head dims"):
+        kt.gdn_chunk_prefill(**d)
+    d = gdn_inputs(1, 1, 1, 16, 512, device=DEV, batch=(1,))
+    with pytest.raises(ValueError, match="head dims"):
+        kt.gdn_recurrent_step(**d, state_pool=torch.zeros(1, 1, 16, 512, device=DEV),
+                              state_slots=torch.zeros(1, dtype=torch.int32, device=DEV))
+
+
+def test_facade_forced_triton_selftests_and_runs(fresh_probe, monkeypatch):
+    monkeypatch.setenv("QWEN35_BACKEND", "triton")
+    fresh_probe.reset()
+    for op in ("gdn_chunk_prefill", "gdn_recurrent_step"):
+        choice = fresh_probe.choose(op, DEV)
+        assert choice.backend == "triton", choice.reason
+        assert choice.selftest_rel_err is not None and choice.selftest_rel_err < 1e-4, choice.reason
+    lens = [3, 66]
+    d = _inputs(lens, 2, 4, 16, 16, torch.float32)
+    cu = cu_from_lens(lens, DEV)
+    meta = ops.prepare_gdn_metadata(cu)
+    assert isinstance(meta, kt.gdn.GdnChunkMetadata)
+    o, ht = ops.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True, metadata=meta)
+    ro, rht = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(),
+                                    output_final_state=True, use_qk_l2norm=True)
+    assert_close(o, ro, TOL[torch.float32], "façade output")
+    assert_close(ht, rht, TOL[torch.float32], "façade final state")
