@@ -201,10 +201,14 @@ class Rotary:
     def __init__(self, cfg: Qwen35Config):
         self.dim = cfg.rotary_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        self._on_device: dict[torch.device, torch.Tensor] = {}  # no host-to-device copy per step (graph capture)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 ``[T, rotary_dim / 2]`` each."""
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq.to(positions.device)[None, :]
+        inv_freq = self._on_device.get(positions.device)
+        if inv_freq is None:
+            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

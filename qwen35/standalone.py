@@ -248,6 +248,10 @@ class Qwen35Standalone:
             self.lengths[s] += len(toks)
         return self.model.logits(hidden[torch.tensor(rows, device=self.device)]).float()
 
+    def capture_decode(self, slots: list[int]) -> DecodeGraph:
+        """A CUDA graph of one decode step for these (consecutive, allocated) slots; see :class:`DecodeGraph`."""
+        return DecodeGraph(self, slots)
+
     # ---------------------------------------------------------------- generation
 
     @torch.no_grad()
@@ -280,6 +284,90 @@ class Qwen35Standalone:
         finally:
             self.release(slots)
         return out
+
+
+class DecodeGraph:
+    """One decode step (one token for each of B consecutive slots) captured as a CUDA graph.
+
+    Attention reads each slot's whole ``max_len`` KV buffer under a mask built on the device,
+    so every replay has the same shapes. Capture needs every op's backend to be free of host
+    synchronisation (the reference ops are not); if it fails, the slots' states are restored and
+    ``RuntimeError`` says why. :meth:`step` advances the sequences like :meth:`Qwen35Standalone.step`.
+    """
+
+    def __init__(self, owner: Qwen35Standalone, slots: list[int]):
+        if owner.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the model is on {owner.device}")
+        B = len(slots)
+        if B < 1 or slots != list(range(slots[0], slots[0] + B)) or any(s in owner.free for s in slots):
+            raise ValueError(f"capture_decode needs consecutive allocated slots, got {slots}")
+        if any(owner.lengths[s] == 0 for s in slots):
+            raise ValueError("capture_decode needs sequences that already hold a prompt")
+        self.owner, self.slots, dev = owner, slots, owner.device
+        max_len = owner.host.max_len
+        self.ids = torch.zeros(B, dtype=torch.long, device=dev)
+        self.positions = torch.tensor([owner.lengths[s] for s in slots], device=dev)
+        self.mask = torch.zeros(B, 1, 1, max_len, dtype=torch.bool, device=dev)
+        self._key_pos = torch.arange(max_len, device=dev)
+        slot_ids = torch.tensor(slots, dtype=torch.int32, device=dev)
+        self.batch = _Batch(
+            num_decodes=B, decode_slots=slot_ids, decode_slot_range=(slots[0], B), decode_len=max_len,
+            decode_mask=self.mask, prefills=[], token_slots=slot_ids.long(), token_positions=self.positions,
+            gdn=dict(num_decodes=B, decode_slots=slot_ids, num_prefill_tokens=0, prefill_cu_seqlens=None,
+                     prefill_slots=None, prefill_has_initial_state=None))
+        saved = self._save_states()
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # compiles kernels, settles the allocator
+                    self._forward()
+            torch.cuda.current_stream().wait_stream(stream)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.logits = self._forward()
+        except Exception as e:
+            torch.cuda.synchronize()
+            raise RuntimeError(f"decode graph capture failed ({type(e).__name__}: {e}); an op's backend "
+                               "probably synchronises with the host (see the probe report)") from e
+        finally:
+            self._restore_states(saved)  # warm-up and capture ran real steps on these slots
+
+    @torch.no_grad()
+    def _forward(self) -> torch.Tensor:
+        self.mask.copy_((self._key_pos[None, :] <= self.positions[:, None])[:, None, None, :])
+        self.owner.host.batch = self.batch
+        try:
+            hidden = self.owner.model(self.ids, self.positions)
+        finally:
+            self.owner.host.batch = None
+        return self.owner.model.logits(hidden).float()
+
+    def _save_states(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(view of the slots' rows in each GDN pool, a copy of those rows)."""
+        s0, n = self.slots[0], len(self.slots)
+        pools = [p for layer in self.owner.model.layers if hasattr(layer.mixer, "state")
+                 for p in (layer.mixer.state.conv_pool, layer.mixer.state.state_pool)]
+        return [(p[s0:s0 + n], p[s0:s0 + n].clone()) for p in pools]
+
+    @staticmethod
+    def _restore_states(saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for rows, copy in saved:
+            rows.copy_(copy)
+        torch.cuda.synchronize()
+
+    def step(self, tokens: list[int] | torch.Tensor) -> torch.Tensor:
+        """Feed one token per slot; returns fp32 logits ``[B, vocab]`` (a buffer the next step overwrites)."""
+        owner = self.owner
+        for s in self.slots:
+            if owner.lengths[s] + 1 > owner.host.max_len:
+                raise ValueError(f"sequence in slot {s} would exceed max_len={owner.host.max_len}")
+        self.ids.copy_(torch.as_tensor(tokens, device=owner.device))
+        self.positions.copy_(torch.tensor([owner.lengths[s] for s in self.slots], device=owner.device))
+        self.graph.replay()
+        for s in self.slots:
+            owner.lengths[s] += 1
+        return self.logits
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

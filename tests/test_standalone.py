@@ -151,3 +151,27 @@ def test_bad_requests_raise_clear_errors(dense_ckpt):
         m.step(slots, [[]])
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         m.generate([[1]], 0)
+
+
+@pytest.mark.gpu
+def test_decode_graph_matches_eager_steps(tmp_path):
+    """A captured decode step replays the eager step's logits (CUDA; needs graph-safe backends)."""
+    from qwen35 import probe
+
+    path = write_checkpoint(tmp_path / "ckpt", TinySpec(moe=True))
+    m = Qwen35Standalone.from_pretrained(path, device="cuda", max_seqs=4, max_len=96)
+    on_reference = [r["op"] for r in probe.report("cuda")["ops"] if r["backend"] == "reference"]
+    if on_reference:
+        pytest.skip(f"the reference backend (host syncs, not capturable) serves {on_reference}")
+    prompts = _prompts([5, 40, 17])
+    cont = _prompts([4, 4, 4], seed=2)
+    eager_slots = m.allocate(3)
+    m.step(eager_slots, prompts)
+    expected = [m.step(eager_slots, [[c[i]] for c in cont]) for i in range(4)]
+    m.release(eager_slots)
+    slots = m.allocate(3)
+    m.step(slots, prompts)
+    graph = m.capture_decode(slots)
+    for i in range(4):
+        got = graph.step([c[i] for c in cont])
+        assert rel_err(got, expected[i]) <= TOL, f"graph step {i}: rel err {rel_err(got, expected[i]):.3e}"
