@@ -230,6 +230,9 @@ def main(argv: list[str] | None = None) -> int:
     hf, ours = build_models(args.layers, max_seqs=max_b, max_len=max_len)
     print(f"built models in {time.time() - t0:.1f}s", flush=True)
     rows: list[dict] = []
+    name_json = f"model_qwen35moe_{args.layers}l" + ("_quick" if args.quick else "")
+    meta = dict(layers=args.layers, width=WIDTH, quick=args.quick, ceilings=ceil, hf_gdn=hf_gdn,
+                check_values=os.environ.get("QWEN35_CHECK_VALUES"))
     parts = [("agreement", lambda: [agreement_row(hf, ours, plan["agree_len"])])]
     parts += [(f"prefill {n}x{t}", lambda n=n, t=t: [prefill_row(ours, n, t)]) for n, t in plan["prefill"]]
     parts += [(f"decode B={b}", lambda b=b: decode_rows(ours, b, plan["ctx"], ceil["copy_GBps"]))
@@ -243,10 +246,12 @@ def main(argv: list[str] | None = None) -> int:
         if name == "agreement":
             del hf  # frees its copy of the weights before the timed rows
             torch.cuda.empty_cache()
-    meta = dict(layers=args.layers, width=WIDTH, quick=args.quick, ceilings=ceil, hf_gdn=hf_gdn,
-                backends=probe.report("cuda")["ops"], check_values=os.environ.get("QWEN35_CHECK_VALUES"))
-    path = _bench.write_results(args.out, f"model_qwen35moe_{args.layers}l" + ("_quick" if args.quick else ""),
-                                rows, meta)
+        print(f"[{time.time() - t0:.0f}s] {name}: " + "; ".join(
+            f"{r.get('mode') or ''} ours_ms={r['ours_ms']} tok_s={r.get('tok_s')} rel_err={r.get('rel_err')}"
+            for r in rows if r["op"] == name.split()[0] and r["shape"].replace(" ", "") in name.replace(" ", "")
+            or r["op"] == "agreement" == name), flush=True)
+        meta["backends"] = probe.report("cuda")["ops"]
+        path = _bench.write_results(args.out, name_json, rows, meta)  # after every part: a timeout keeps the rest
     print(report)
     print(_bench.format_table(rows, ["op", "shape", "mode", "ours_ms", "tok_s", "anchor_ms", "speedup",
                                      "pct_of_floor", "meets_target", "rel_err", "top1_match"]))
