@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import atexit
+import importlib.util
 import json
 import os
 import signal
@@ -108,6 +110,25 @@ def start_vllm_server(
         time.sleep(1.0)
     server.stop()
     raise RuntimeError(f"vLLM server not healthy after {startup_timeout:.0f} s:\n{server.log_tail()}")
+
+
+_SHARED: ServerProcess | None = None
+
+
+def vllm_available() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def shared_vllm_server() -> ServerProcess:
+    """One vLLM server on the embedded tiny Qwen3 checkpoint for the whole test process (start-up is
+    about 30 s on two cores); stopped at interpreter exit."""
+    global _SHARED
+    if _SHARED is None or _SHARED.process.poll() is not None:
+        from serve.embedded.checkpoint import ensure_checkpoint
+
+        _SHARED = start_vllm_server(ensure_checkpoint())
+        atexit.register(_SHARED.stop)
+    return _SHARED
 
 
 # -- the deliberately broken stub ---------------------------------------------------------------
@@ -218,5 +239,3 @@ class BrokenProxy:
     def __exit__(self, *exc) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
-
-

@@ -8,15 +8,17 @@ of everything that determines its bytes, so a changed writer, tokenizer or templ
 directory and an unchanged one is reused.
 
 The architecture is pluggable: an `ArchitectureWriter` says how to write `config.json` and the
-weights for one architecture. `Qwen3ForCausalLM` (built into vLLM) is registered here; another
-writer can be registered with `register_architecture()` or named as `"package.module:ATTRIBUTE"`
-(e.g. the Qwen3.5 writer of `qwen35.tiny`), which is imported on first use.
+weights for one architecture. Registered here: `Qwen3ForCausalLM` (built into vLLM; the default
+while our Qwen3.5 plugin is not in the serving path) and `Qwen3_5ForCausalLM` (from `qwen35.tiny`;
+switch `DEFAULT_ARCHITECTURE` to it once `qwen35-serve` loads the plugin). Others can be added with
+`register_architecture()` or named as `"package.module:ATTRIBUTE"`, imported on first use.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -137,6 +139,47 @@ def _qwen3_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
 
 
 register_architecture(ArchitectureWriter("Qwen3ForCausalLM", "3", _qwen3_config, _qwen3_weights))
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3_5ForCausalLM: qwen35.tiny's dense hybrid (3 GDN layers + 1 gated-attention layer), with the
+# embedded tokenizer's vocabulary and special ids. Served through our vLLM plugin, not built into
+# vLLM. qwen35.tiny is imported on first use; its source is part of the cache key.
+
+
+def _qwen35_spec(vocab_size: int, max_position: int, seed: int = 0):
+    from qwen35.tiny import TinySpec
+
+    return TinySpec(moe=False, seed=seed, overrides={"vocab_size": vocab_size, "max_position_embeddings": max_position})
+
+
+def _qwen35_config(vocab_size: int, max_position: int, special_ids: dict[str, int]) -> dict:
+    from qwen35.tiny import config_json
+
+    config = config_json(_qwen35_spec(vocab_size, max_position))
+    del config["architectures"]
+    config.update(
+        bos_token_id=special_ids[PAD_TOKEN], eos_token_id=special_ids[EOS_TOKEN], pad_token_id=special_ids[PAD_TOKEN]
+    )
+    return config
+
+
+def _qwen35_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    from qwen35.tiny import checkpoint_tensors
+
+    return checkpoint_tensors(_qwen35_spec(config["vocab_size"], config["max_position_embeddings"], seed))
+
+
+def _source_digest(module: str) -> str:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return "missing"
+    return hashlib.sha256(Path(spec.origin).read_bytes()).hexdigest()[:12]
+
+
+register_architecture(
+    ArchitectureWriter("Qwen3_5ForCausalLM", "1-" + _source_digest("qwen35.tiny"), _qwen35_config, _qwen35_weights)
+)
 
 
 # ---------------------------------------------------------------------------------------------
