@@ -51,8 +51,8 @@ def hf_config_fields(layers: int) -> dict:
     return dict(WIDTH, num_hidden_layers=layers, layer_types=layer_types, rope_parameters=dict(ROPE))
 
 
-def build_models(layers: int, max_seqs: int, max_len: int):
-    """(HF model, our standalone model) on cuda in bf16 with the same random weights."""
+def build_models(layers: int, max_seqs: int, max_len: int, dtype: torch.dtype = torch.bfloat16):
+    """(HF model, our standalone model) on cuda in ``dtype`` with the same random weights."""
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
     from qwen35.config import Qwen35Config
@@ -61,14 +61,14 @@ def build_models(layers: int, max_seqs: int, max_len: int):
     fields = hf_config_fields(layers)
     torch.manual_seed(0)
     default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
+    torch.set_default_dtype(dtype)
     try:
         with torch.device("cuda"):
             hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**fields)).eval()
     finally:
         torch.set_default_dtype(default)
     cfg = Qwen35Config.from_dict({"architectures": ["Qwen3_5MoeForCausalLM"], **fields})
-    ours = Qwen35Standalone(cfg, device="cuda", dtype=torch.bfloat16, max_seqs=max_seqs, max_len=max_len)
+    ours = Qwen35Standalone(cfg, device="cuda", dtype=dtype, max_seqs=max_seqs, max_len=max_len)
     ours.load_state(hf.state_dict().items())
     return hf, ours
 
@@ -87,20 +87,68 @@ def _reps(fn, budget_s: float = 20.0) -> tuple[int, int]:
 # ----------------------------------------------------------------------------- rows
 
 
-def agreement_row(hf, ours, length: int) -> dict:
+def _sig(x: torch.Tensor | float) -> float:
+    return float(f"{float(x):.3g}")
+
+
+def _forced(op: str | None, backend: str | None) -> None:
+    """Force ``op`` (or every op when ``op`` is None) onto ``backend``; ``backend=None`` clears all forcing."""
+    from qwen35 import backends, probe
+
+    for o in backends.OPS:
+        os.environ.pop(f"QWEN35_BACKEND_{o.upper()}", None)
+    os.environ.pop("QWEN35_BACKEND", None)
+    if backend is not None:
+        os.environ["QWEN35_BACKEND" if op is None else f"QWEN35_BACKEND_{op.upper()}"] = backend
+    probe.reset()
+
+
+def agreement_rows(hf, ours, length: int, label: str, per_op: bool) -> list[dict]:
+    """Our logits (every position of one prompt) vs HF's: with the probe's backends, with every op on
+    the reference, and (``per_op``) with one op at a time moved to the reference, which localises a
+    disagreement to an op's kernel."""
+    from qwen35 import probe
+
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, WIDTH["vocab_size"], (length,), generator=gen)
     with torch.no_grad():
         ref = hf(ids[None].cuda()).logits[0].float()
-    slot = ours.allocate(1)
+
+    def ours_logits() -> torch.Tensor:
+        slot = ours.allocate(1)
+        try:
+            return ours.step(slot, [ids.tolist()], all_logits=True)
+        finally:
+            ours.release(slot)
+
+    picked = {r["op"]: r["backend"] for r in probe.report("cuda")["ops"]}
+    modes = [("probe", None, None), ("all reference", None, "reference")]
+    if per_op:
+        modes += [(f"{op} -> reference", op, "reference") for op, b in picked.items() if b != "reference"]
+    rows, base = [], None
     try:
-        got = ours.step(slot, [ids.tolist()], all_logits=True)
+        for mode, op, backend in modes:
+            _forced(op, backend)
+            got = ours_logits()
+            base = got if base is None else base
+            rows.append(_bench.row(
+                "agreement", f"1x{length}", label, 0.0, anchor="HF transformers (same weights)", mode=mode,
+                rel_err=_sig((got - ref).norm() / ref.norm()),
+                top1_match=round(float((got.argmax(-1) == ref.argmax(-1)).float().mean()), 4),
+                rel_vs_probe=_sig((got - base).norm() / base.norm()), finite=bool(torch.isfinite(got).all())))
     finally:
-        ours.release(slot)
-    rel = float((got - ref).norm() / ref.norm())
-    top1 = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
-    return _bench.row("agreement", f"1x{length}", "bf16", 0.0, anchor="HF transformers (same weights)",
-                      rel_err=round(rel, 5), top1_match=round(top1, 4), finite=bool(torch.isfinite(got).all()))
+        _forced(None, None)
+    return rows
+
+
+def fp32_agreement_rows(length: int) -> list[dict]:
+    """The same width in fp32 with 4 layers (3 GDN + 1 attention): structure check free of bf16 noise."""
+    hf, ours = build_models(4, max_seqs=1, max_len=length, dtype=torch.float32)
+    try:
+        return agreement_rows(hf, ours, length, "fp32", per_op=False)
+    finally:
+        del hf, ours
+        torch.cuda.empty_cache()
 
 
 def prefill_row(ours, n: int, t: int) -> dict:
@@ -233,10 +281,11 @@ def main(argv: list[str] | None = None) -> int:
     name_json = f"model_qwen35moe_{args.layers}l" + ("_quick" if args.quick else "")
     meta = dict(layers=args.layers, width=WIDTH, quick=args.quick, ceilings=ceil, hf_gdn=hf_gdn,
                 check_values=os.environ.get("QWEN35_CHECK_VALUES"))
-    parts = [("agreement", lambda: [agreement_row(hf, ours, plan["agree_len"])])]
+    parts = [("agreement", lambda: agreement_rows(hf, ours, plan["agree_len"], "bf16", per_op=True))]
     parts += [(f"prefill {n}x{t}", lambda n=n, t=t: [prefill_row(ours, n, t)]) for n, t in plan["prefill"]]
     parts += [(f"decode B={b}", lambda b=b: decode_rows(ours, b, plan["ctx"], ceil["copy_GBps"]))
               for b in plan["decode"]]
+    parts.append(("agreement fp32", lambda: fp32_agreement_rows(plan["agree_len"])))
     for name, part in parts:
         before = len(rows)
         try:
@@ -253,8 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         meta["backends"] = probe.report("cuda")["ops"]
         path = _bench.write_results(args.out, name_json, rows, meta)  # after every part: a timeout keeps the rest
     print(report)
-    print(_bench.format_table(rows, ["op", "shape", "mode", "ours_ms", "tok_s", "anchor_ms", "speedup",
-                                     "pct_of_floor", "meets_target", "rel_err", "top1_match"]))
+    print(_bench.format_table(rows, ["op", "shape", "dtype", "mode", "ours_ms", "tok_s", "anchor_ms", "speedup",
+                                     "pct_of_floor", "meets_target", "rel_err", "top1_match", "rel_vs_probe"]))
     print(f"wrote {path}")
     return 0
 
