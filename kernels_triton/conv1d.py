@@ -24,7 +24,7 @@ def _silu(y):
     return y / (1.0 + tl.exp(-y))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "N"])
 def _conv_prefill_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, cu_ptr, T, D, N,
     W: tl.constexpr, BT: tl.constexpr, BD: tl.constexpr, SEARCH_STEPS: tl.constexpr,
@@ -65,7 +65,7 @@ def _conv_prefill_kernel(
              mask=tmask[:, None] & dmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _conv_head_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, cu_ptr, pool_ptr, slots_ptr, has_init_ptr, T, D,
     W: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,

@@ -24,6 +24,7 @@ fp32 (``ieee``) for fp32 inputs.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -86,7 +87,7 @@ def _chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Ten
 
 
 @triton.jit
-def _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV: tl.constexpr,
+def _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV,
             RAW_GATING: tl.constexpr):
     """(g, beta) fp32 for token rows ``t`` of value head ``hv``; zero on masked rows."""
     if RAW_GATING:
@@ -122,7 +123,7 @@ def _load_state(ptrs, mask):
 
 
 @triton.jit
-def _load_rows(ptr, t, tmask, head, NHEADS: tl.constexpr, D: tl.constexpr, BD: tl.constexpr):
+def _load_rows(ptr, t, tmask, head, NHEADS, D: tl.constexpr, BD: tl.constexpr):
     """Rows ``t`` of head ``head`` of a ``[T, NHEADS, D]`` tensor, ``[len(t), BD]`` in its own dtype (0 outside)."""
     cols = tl.arange(0, BD)
     return tl.load(ptr + (t[:, None] * NHEADS + head) * D + cols[None, :],
@@ -168,14 +169,14 @@ def _unit_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr):
     return X
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "H", "HV"])  # one compile serves every length and head count
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr,
     g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     bounds_ptr,
     w_ptr, u_ptr, aqk_ptr, gcum_ptr,
     T, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -226,12 +227,12 @@ def _chunk_prepare_kernel(
         tl.store(u_ptr + (hv * T + t[:, None]) * V + vcols[None, :], u.to(ws_dtype), mask=vmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "H", "HV"])
 def _chunk_scan_kernel(
     q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
     T, scale,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
     HAS_INIT_FLAGS: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -313,25 +314,39 @@ def check_head_dims(K: int, V: int) -> None:
         raise ValueError(f"triton GDN kernels take head dims K, V <= {MAX_HEAD_DIM}; got K={K}, V={V}")
 
 
-def workspace_dtype(dtype: torch.dtype) -> tuple[torch.dtype, str]:
-    """(workspace / dot-operand dtype, dot input precision) for an activation dtype."""
+@functools.cache
+def device_facts(device: torch.device) -> tuple[str, int, tuple[int, int]]:
+    """(name, multiprocessor count, capability); cached: asking the driver costs host time on every call."""
+    if device.type != "cuda":
+        return "cpu", 1, (0, 0)
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.multi_processor_count, (props.major, props.minor)
+
+
+def workspace_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
+    """(workspace / dot-operand dtype, dot input precision) for an activation dtype.
+
+    fp32 inputs get fp32-accurate dots: three tf32 passes on GPUs that have tf32 (``ieee`` FMA
+    dots need too many registers for these tiles), plain fp32 elsewhere.
+    """
     if dtype == torch.bfloat16:
         return torch.bfloat16, "tf32"
     if dtype == torch.float16:
         return torch.float32, "tf32"  # fp16 workspace could overflow; tf32 keeps fp16-level precision
     if dtype == torch.float32:
-        return torch.float32, "ieee"
+        tf32 = device_facts(device)[2] >= (8, 0)
+        return torch.float32, "tf32x3" if tf32 else "ieee"
     raise ValueError(f"triton GDN kernels take fp16, bf16 or fp32 activations, got {dtype}")
 
 
 def _scan_config(device: torch.device, N: int, HV: int, V: int, T: int, dtype: torch.dtype) -> dict:
     """Phase-2 launch config: tuned file entry if present, else enough V blocks to fill the device."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    key = f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}"
-    tuned = _config.lookup("gdn_chunk_scan", name, key, tokens=T) if device.type == "cuda" else None
-    if tuned:
-        return dict(tuned)
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    name, sms, _ = device_facts(device)
+    if device.type == "cuda":
+        tuned = _config.lookup("gdn_chunk_scan", name, f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}",
+                               tokens=T // max(N, 1))
+        if tuned:
+            return dict(tuned)
     BV = min(64, _pow2(V))
     while BV > 16 and N * HV * triton.cdiv(V, BV) < 2 * sms:
         BV //= 2
@@ -339,7 +354,7 @@ def _scan_config(device: torch.device, N: int, HV: int, V: int, T: int, dtype: t
 
 
 def _prepare_config(device: torch.device) -> dict:
-    return {"num_warps": 8 if device.type == "cuda" else 4, "num_stages": 1}
+    return {"num_warps": 4, "num_stages": 1}
 
 
 def gdn_chunk_prefill(
@@ -363,17 +378,18 @@ def gdn_chunk_prefill(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     metadata: object | None = None,
+    prepare_config: dict | None = None,
     scan_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton implementation of :func:`qwen35.ops.gdn_chunk_prefill` (see the module docstring).
 
-    ``scan_config`` overrides the phase-2 launch config (``BV``, ``num_warps``, ``num_stages``);
-    the benchmark uses it to time variants.
+    ``prepare_config`` (``num_warps``, ``num_stages``) and ``scan_config`` (``BV``, ``num_warps``,
+    ``num_stages``) override the launch configs of the two phases; the benchmark times variants with them.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     check_head_dims(K, V)
-    ws_dtype, dot_prec = workspace_dtype(q.dtype)
+    ws_dtype, dot_prec = workspace_dtype(q.dtype, q.device)
     for name, st in (("initial_state", initial_state), ("state_pool", state_pool)):
         if st is not None and st.dtype not in (torch.float32, torch.float64):
             raise ValueError(f"{name} has dtype {st.dtype}; states are fp32 (fp64 accepted)")
@@ -406,7 +422,8 @@ def gdn_chunk_prefill(
         _chunk_prepare_kernel[(num_chunks, HV)](
             q, k, v, g, beta, a, b, A_log, dt_bias, bounds, w, u, aqk, gcum, T, scale,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV_full, C=CHUNK,
-            VARLEN=varlen, RAW_GATING=raw, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec, **_prepare_config(dev))
+            VARLEN=varlen, RAW_GATING=raw, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec,
+            **(prepare_config or _prepare_config(dev)))
 
     # Phase 2: the sequential pass over chunks, state in registers, output and final state written.
     pool = state_pool is not None

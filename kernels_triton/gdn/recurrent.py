@@ -13,21 +13,19 @@ no value-dependent allocation: the launch is CUDA-graph capturable.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from kernels_triton import _config
-from kernels_triton.gdn.chunk import _gating, check_head_dims
+from kernels_triton.gdn.chunk import _gating, check_head_dims, device_facts
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["H", "HV"])
 def _recurrent_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     pool_ptr, slots_ptr, o_ptr, scale,
-    T: tl.constexpr, H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    T: tl.constexpr, H, HV, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
 ):
     vb = tl.program_id(0)
@@ -69,17 +67,11 @@ def _recurrent_step_kernel(
         tl.store(s_ptrs, S.to(pool_ptr.dtype.element_ty), mask=smask)
 
 
-@functools.cache
-def _device_facts(index: int) -> tuple[str, int]:
-    props = torch.cuda.get_device_properties(index)
-    return props.name, props.multi_processor_count
-
-
 def _step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
     """V block and warps: tuned file entry if present, else blocks small enough to give every SM work."""
     if device.type != "cuda":
         return {"BV": min(32, triton.next_power_of_2(V)), "num_warps": 4}
-    name, sms = _device_facts(device.index if device.index is not None else torch.cuda.current_device())
+    name, sms, _ = device_facts(device)
     tuned = _config.lookup("gdn_recurrent_step", name, f"HV={HV},V={V}", tokens=B)
     if tuned:
         return dict(tuned)

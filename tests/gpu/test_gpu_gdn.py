@@ -1,0 +1,213 @@
+"""Triton GDN / conv1d / norm kernels on a CUDA GPU at real sizes (skipped without CUDA).
+
+Ground truth is the reference op run in fp64 on the same GPU (the chunked algorithm, so T=65536
+stays fast). Budgets (relative error, whole tensor): fp32 1e-3, fp16 4e-3, bf16 1e-2; any
+non-finite value fails; pool slots not named by the call must be bit-identical afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import assert_close, cu_from_lens
+
+pytestmark = pytest.mark.gpu
+
+if torch.cuda.is_available():
+    import kernels_triton as kt
+    from qwen35 import reference as ref
+
+DEV = "cuda"
+TOL = {torch.float32: 1e-3, torch.float16: 4e-3, torch.bfloat16: 1e-2}
+
+
+def _rand(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen, device=DEV) * scale).to(dtype)
+
+
+def _f64(d: dict) -> dict:
+    return {k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v) for k, v in d.items()}
+
+
+def _gdn_inputs(T, H, HV, K, V, dtype, *, seed=0, raw=True, decay="normal", lead=()):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    d = dict(q=_rand(gen, *lead, T, H, K, dtype=dtype), k=_rand(gen, *lead, T, H, K, dtype=dtype),
+             v=_rand(gen, *lead, T, HV, V, dtype=dtype))
+    if raw:
+        d.update(a=_rand(gen, *lead, T, HV, dtype=dtype), b=_rand(gen, *lead, T, HV, dtype=dtype),
+                 A_log=_rand(gen, HV, scale=0.5), dt_bias=_rand(gen, HV, scale=0.5))
+    else:
+        lo, hi = {"weak": (0.0, 0.02), "strong": (2.0, 8.0)}[decay]
+        g = -(lo + (hi - lo) * torch.rand(*lead, T, HV, generator=gen, device=DEV))
+        d.update(g=g, beta=torch.rand(*lead, T, HV, generator=gen, device=DEV).to(dtype))
+    return d
+
+
+def _check_untouched(after: torch.Tensor, before: torch.Tensor, named: torch.Tensor) -> None:
+    keep = torch.ones(before.shape[0], dtype=torch.bool, device=before.device)
+    keep[named[named >= 0].long()] = False
+    assert torch.equal(after[keep], before[keep]), "pool slots not named by the call changed"
+
+
+def test_prefill_long_sequence_65536_tp8():
+    T, H, HV, K, V = 65536, 2, 8, 128, 128
+    d = _gdn_inputs(T, H, HV, K, V, torch.bfloat16)
+    pool = _rand(torch.Generator(device=DEV).manual_seed(1), 3, HV, K, V, scale=0.1)
+    slots = torch.tensor([1], dtype=torch.int32, device=DEV)
+    ours = pool.clone()
+    o, _ = kt.gdn_chunk_prefill(**d, state_pool=ours, state_slots=slots, use_qk_l2norm=True)
+    ref_pool = pool.double()
+    ro, _ = ref.gdn_chunk_prefill(**_f64(d), state_pool=ref_pool, state_slots=slots, use_qk_l2norm=True)
+    assert_close(o, ro, TOL[torch.bfloat16], "output T=65536")
+    assert_close(ours, ref_pool, TOL[torch.bfloat16], "final state T=65536")
+    _check_untouched(ours, pool, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_prefill_64_ragged_sequences_pool(dtype):
+    gen = torch.Generator().manual_seed(5)
+    lens = torch.randint(1, 4097, (64,), generator=gen).tolist()
+    lens[3], lens[10] = 1, 4096
+    H, HV, K, V = 4, 12, 128, 128
+    d = _gdn_inputs(sum(lens), H, HV, K, V, dtype, seed=2)
+    cu = cu_from_lens(lens, DEV)
+    pool = _rand(torch.Generator(device=DEV).manual_seed(3), 80, HV, K, V, scale=0.1)
+    slots = torch.randperm(80, generator=gen)[:64].to(torch.int32)
+    slots[::7] = -1
+    slots = slots.to(DEV)
+    has_init = (torch.arange(64) % 3 != 0).to(DEV)
+    ours = pool.clone()
+    meta = kt.prepare_gdn_metadata(cu)
+    o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=ours, state_slots=slots, has_initial_state=has_init,
+                                use_qk_l2norm=True, metadata=meta)
+    ref_pool = pool.double()
+    ro, _ = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, state_pool=ref_pool, state_slots=slots,
+                                  has_initial_state=has_init, use_qk_l2norm=True)
+    assert o.dtype == dtype
+    assert_close(o, ro, TOL[dtype], f"output {dtype}")
+    assert_close(ours, ref_pool, TOL[dtype], f"pool {dtype}")
+    _check_untouched(ours, pool, slots)
+
+
+@pytest.mark.parametrize("decay", ["weak", "strong"])
+def test_prefill_decay_extremes_initial_state(decay):
+    lens, H, HV, K, V = [8192, 3000, 1], 16, 32, 128, 128
+    d = _gdn_inputs(sum(lens), H, HV, K, V, torch.float32, raw=False, decay=decay, seed=7)
+    cu = cu_from_lens(lens, DEV)
+    h0 = _rand(torch.Generator(device=DEV).manual_seed(8), len(lens), HV, K, V, scale=0.1)
+    o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+    ro, rht = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, initial_state=h0.double(), output_final_state=True,
+                                    use_qk_l2norm=True)
+    assert_close(o, ro, TOL[torch.float32], f"output, {decay} decay")
+    assert_close(ht, rht, TOL[torch.float32], f"final state, {decay} decay")
+
+
+def test_continuation_across_calls_then_decode():
+    """One 10004-token sequence fed as prefill 3000 + 1 + 6999 then a 4-token decode step == one pass."""
+    T, H, HV, K, V = 10004, 4, 12, 128, 128
+    d = _gdn_inputs(T, H, HV, K, V, torch.bfloat16, seed=9)
+    pool = torch.zeros(4, HV, K, V, device=DEV)
+    slot = torch.tensor([2], dtype=torch.int32, device=DEV)
+    outs, pos = [], 0
+    for n in (3000, 1, 6999):
+        part = {k: (v[pos:pos + n] if v.dim() > 1 else v) for k, v in d.items()}
+        outs.append(kt.gdn_chunk_prefill(**part, state_pool=pool, state_slots=slot, use_qk_l2norm=True)[0])
+        pos += n
+    step = {k: (v[pos:][None] if v.dim() > 1 else v) for k, v in d.items()}
+    outs.append(kt.gdn_recurrent_step(**step, state_pool=pool, state_slots=slot, use_qk_l2norm=True)[0])
+    ro, rht = ref.gdn_chunk_prefill(**_f64(d), output_final_state=True, use_qk_l2norm=True)
+    assert_close(torch.cat(outs), ro, TOL[torch.bfloat16], "continued output")
+    assert_close(pool[2], rht[0], TOL[torch.bfloat16], "continued state")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 4])
+def test_decode_step_pool(dtype, T):
+    B, H, HV, K, V = 256, 16, 48, 128, 128
+    d = _gdn_inputs(T, H, HV, K, V, dtype, seed=11, lead=(B,))
+    pool = _rand(torch.Generator(device=DEV).manual_seed(12), 300, HV, K, V, scale=0.1)
+    slots = torch.randperm(300, generator=torch.Generator().manual_seed(13))[:B].to(torch.int32)
+    slots[5::9] = -1
+    slots = slots.to(DEV)
+    ours = pool.clone()
+    o = kt.gdn_recurrent_step(**d, state_pool=ours, state_slots=slots, use_qk_l2norm=True)
+    ref_pool = pool.double()
+    ro = ref.gdn_recurrent_step(**_f64(d), state_pool=ref_pool, state_slots=slots, use_qk_l2norm=True)
+    assert_close(o, ro, TOL[dtype], f"decode output {dtype}")
+    assert_close(ours, ref_pool, TOL[dtype], f"decode pool {dtype}")
+    assert torch.all(o[slots < 0] == 0)
+    _check_untouched(ours, pool, slots)
+
+
+def test_decode_and_conv_update_capture_in_cuda_graph():
+    B, H, HV, K, V, D, W = 32, 4, 12, 128, 128, 3072, 4
+    gen = torch.Generator(device=DEV).manual_seed(14)
+    d = _gdn_inputs(1, H, HV, K, V, torch.bfloat16, seed=15, lead=(B,))
+    x, cw = _rand(gen, B, D, dtype=torch.bfloat16), _rand(gen, D, W, dtype=torch.bfloat16, scale=0.5)
+    state = _rand(gen, 40, HV, K, V, scale=0.1)
+    conv = _rand(gen, 40, D, W - 1, dtype=torch.bfloat16)
+    slots = torch.arange(B, dtype=torch.int32, device=DEV)
+    slots[1] = -1
+    state0, conv0 = state.clone(), conv.clone()
+
+    def step():
+        return (kt.gdn_recurrent_step(**d, state_pool=state, state_slots=slots, use_qk_l2norm=True),
+                kt.causal_conv1d_update(x, cw, None, conv_pool=conv, conv_slots=slots))
+
+    eager = step()
+    eager_state, eager_conv = state.clone(), conv.clone()
+    state.copy_(state0)
+    conv.copy_(conv0)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step()  # warm-up compiles outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    state.copy_(state0)
+    conv.copy_(conv0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    state.copy_(state0)
+    conv.copy_(conv0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], eager[0]) and torch.equal(captured[1], eager[1])
+    assert torch.equal(state, eager_state) and torch.equal(conv, eager_conv)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_prefill_varlen_pool_real_width(dtype):
+    gen = torch.Generator().manual_seed(16)
+    lens = torch.randint(1, 1025, (64,), generator=gen).tolist()
+    lens[0], lens[1], lens[2] = 1, 2, 0
+    D, W = 10240, 4
+    g = torch.Generator(device=DEV).manual_seed(17)
+    x, w, b = _rand(g, sum(lens), D, dtype=dtype), _rand(g, D, W, dtype=dtype, scale=0.5), _rand(g, D, dtype=dtype)
+    cu = cu_from_lens(lens, DEV)
+    pool = _rand(g, 70, D, W - 1, dtype=dtype)
+    slots = torch.randperm(70, generator=gen)[:64].to(torch.int32)
+    slots[::5] = -1
+    slots = slots.to(DEV)
+    has_init = (torch.arange(64) % 4 != 1).to(DEV)
+    ours = pool.clone()
+    y = kt.causal_conv1d_prefill(x, w, b, cu_seqlens=cu, conv_pool=ours, conv_slots=slots, has_initial_state=has_init)
+    ref_pool = pool.double()
+    ry = ref.causal_conv1d_prefill(x.double(), w.double(), b.double(), cu_seqlens=cu, conv_pool=ref_pool,
+                                   conv_slots=slots, has_initial_state=has_init)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert_close(y, ry, tol, "conv output")
+    assert_close(ours, ref_pool, tol, "conv pool")
+    _check_untouched(ours, pool, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norms_real_sizes(dtype):
+    g = torch.Generator(device=DEV).manual_seed(18)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    x, z, w = _rand(g, 4096, 48, 128, dtype=dtype), _rand(g, 4096, 48, 128, dtype=dtype), _rand(g, 128)
+    assert_close(kt.rms_norm_gated(x, z, w), ref.rms_norm_gated(x.double(), z.double(), w.double()), tol, "gated")
+    x, r, w = _rand(g, 4096, 5120, dtype=dtype), _rand(g, 4096, 5120, dtype=dtype), _rand(g, 5120, scale=0.1)
+    y, s = kt.rms_norm_zero_centered(x, w.to(dtype), 1e-6, r)
+    assert torch.equal(s, x + r)
+    assert_close(y, ref.rms_norm_zero_centered(s.double(), w.to(dtype).double()), tol, "zero-centred + residual")

@@ -1,0 +1,383 @@
+"""Benchmark: Triton GDN chunked prefill and decode step vs FLA, side by side in one process (bf16).
+
+Prefill rows time the whole op (CUDA events around each call, host work included) for ours
+(raw gating a/b/A_log/dt_bias fused, L2 norm in kernel, initial state in, final state out,
+prepared metadata) and FLA's ``chunk_gated_delta_rule`` (g/beta precomputed, qk-l2norm in
+kernel, h0 + final state, cu_seqlens and chunk indices precomputed). Each row also gives the
+GPU time of every kernel (torch.profiler), TFLOP/s by the DESIGN.md count and % of the measured
+bf16 matmul ceiling. Decode rows are timed through CUDA graphs; their roofline is the state
+traffic (read + write of fp32 state) against the measured copy bandwidth. Host cost per call
+is the CPU wall time of back-to-back calls on a tiny prefill (the GPU is idle-bound there).
+
+``python -m tuning.bench_gdn --out DIR [--quick] [--sweep] [--no-fla]``. Reports, never asserts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from tuning import _bench
+
+HEADS = {  # name: (H, HV) at K = V = 128
+    "27B-TP1": (16, 48),
+    "27B-TP4": (4, 12),
+    "35B-A3B-TP1": (16, 32),
+    "397B-TP8": (2, 8),
+}
+PREFILL_SHAPES = {  # name: sequence lengths
+    "1x2048": [2048], "1x8192": [8192], "1x32768": [32768], "1x65536": [65536],
+    "8x4096": [4096] * 8, "64x512": [512] * 64,
+}
+DECODE_BATCHES = (1, 8, 32, 128, 512)
+K = V = 128
+CHUNK = 64
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+# FLA 0.6.0 on one H200, from DESIGN.md: the anchor when FLA cannot run in this process.
+DESIGN_FLA_MS = {
+    "27B-TP1": [0.77, 1.24, 2.94, 5.90, 2.79, 3.03],
+    "27B-TP4": [0.95, 0.80, 1.25, 2.47, 1.52, 1.53],
+    "35B-A3B-TP1": [0.73, 0.78, 2.10, 4.19, 2.11, 2.33],
+    "397B-TP8": [1.03, 1.01, 1.16, 2.01, 1.05, 1.03],
+}
+
+
+def flop_per_token_head(k: int = K, v: int = V, c: int = CHUNK) -> float:
+    """DESIGN.md's count for the chunked form: 6KV + 6CK + 4CV + C^2/3."""
+    return 6 * k * v + 6 * c * k + 4 * c * v + c * c / 3
+
+
+def _fla():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
+        from fla.ops.utils.index import prepare_chunk_indices
+    except Exception as e:  # noqa: BLE001 - FLA is optional: anchors become None
+        print(f"FLA not available ({type(e).__name__}: {e}); anchor columns are None", flush=True)
+        return None
+    return chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, prepare_chunk_indices
+
+
+def _prefill_inputs(lens: list[int], H: int, HV: int, seed: int = 0) -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    T = sum(lens)
+
+    def rnd(*shape, dtype=None, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype or DTYPE)
+
+    d = dict(q=rnd(T, H, K), k=rnd(T, H, K), v=rnd(T, HV, V), a=rnd(T, HV), b=rnd(T, HV),
+             A_log=rnd(HV, dtype=torch.float32, scale=0.5), dt_bias=rnd(HV, dtype=torch.float32, scale=0.5))
+    d["cu"] = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE)
+    d["h0"] = rnd(len(lens), HV, K, V, dtype=torch.float32, scale=0.1)
+    # FLA takes precomputed gating (what vLLM computes before calling it).
+    d["g"] = (-d["A_log"].exp() * torch.nn.functional.softplus(d["a"].float() + d["dt_bias"])).contiguous()
+    d["beta"] = torch.sigmoid(d["b"].float()).to(DTYPE)
+    return d
+
+
+def _ours_prefill(d: dict, meta, **cfg):
+    import kernels_triton as kt
+
+    return lambda: kt.gdn_chunk_prefill(
+        d["q"], d["k"], d["v"], a=d["a"], b=d["b"], A_log=d["A_log"], dt_bias=d["dt_bias"], cu_seqlens=d["cu"],
+        initial_state=d["h0"], output_final_state=True, use_qk_l2norm=True, metadata=meta, **cfg)
+
+
+def _fla_prefill(fla, d: dict):
+    chunk, _, prepare_chunk_indices = fla
+    cu64 = d["cu"].long()
+    cu_cpu = cu64.cpu()
+    idx = prepare_chunk_indices(cu64, CHUNK)
+    q, k, v, g, beta = (d[n][None] for n in ("q", "k", "v", "g", "beta"))
+    return lambda: chunk(q, k, v, g, beta, initial_state=d["h0"], output_final_state=True,
+                         use_qk_l2norm_in_kernel=True, cu_seqlens=cu64, cu_seqlens_cpu=cu_cpu, chunk_indices=idx)
+
+
+def kernel_times_ms(fn, calls: int = 3) -> dict[str, float]:
+    """GPU time per call of each kernel ``fn`` launches (torch.profiler), by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = collections.defaultdict(float)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            totals[ev.name[:60]] += ev.device_time_total / 1000 / calls  # us -> ms
+    return {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+
+
+def host_us_per_call(fn, calls: int = 200) -> float:
+    """CPU wall time per call of back-to-back launches (no sync inside): the host cost when the GPU keeps up."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
+
+
+def bench_prefill(fla, args, ceil: dict, rows: list[dict], deadline: float, save=lambda: None) -> None:
+    import kernels_triton as kt
+
+    for hname, (H, HV) in HEADS.items():
+        for si, (sname, lens) in enumerate(PREFILL_SHAPES.items()):
+            if args.quick and sname not in ("1x8192", "1x32768", "8x4096"):
+                continue
+            T = sum(lens)
+            try:
+                d = _prefill_inputs(lens, H, HV)
+                meta = kt.prepare_gdn_metadata(d["cu"])
+                ours = _ours_prefill(d, meta)
+                ours_ms = _bench.time_ms(ours)
+                kernels = kernel_times_ms(ours)
+                anchor_ms, anchor_kernels, source = None, None, None
+                if fla is not None and time.time() < deadline:
+                    try:
+                        theirs = _fla_prefill(fla, d)
+                        anchor_ms = _bench.time_ms(theirs)
+                        anchor_kernels = kernel_times_ms(theirs)
+                        source = "fla measured"
+                    except Exception as e:  # noqa: BLE001 - an anchor failure must not stop the table
+                        source = f"fla failed: {type(e).__name__}: {str(e)[:200]}"
+                if anchor_ms is None:
+                    anchor_ms = DESIGN_FLA_MS[hname][si]
+                    source = (source + "; " if source else "") + "DESIGN.md table"
+                flops = flop_per_token_head() * T * HV
+                tflops = flops / ours_ms / 1e9
+                rows.append(_bench.row(
+                    "gdn_chunk_prefill", f"{hname} H={H} HV={HV} {sname}", "bfloat16", ours_ms,
+                    "fla.chunk_gated_delta_rule", anchor_ms, heads=hname, seqs=sname, T=T,
+                    tokens_per_s=round(T / ours_ms * 1e3), tflops=round(tflops, 1),
+                    roofline_pct=round(100 * tflops / ceil["bf16_TFLOPs"], 1), ours_kernels_ms=kernels,
+                    anchor_kernels_ms=anchor_kernels, anchor_source=source))
+                print(_line(rows[-1]), flush=True)
+                save()
+                del d, ours
+            except Exception as e:  # noqa: BLE001 - record and continue with the next shape
+                traceback.print_exc()
+                rows.append(_bench.row("gdn_chunk_prefill", f"{hname} {sname}", "bfloat16", math.nan,
+                                       error=f"{type(e).__name__}: {str(e)[:300]}"))
+            torch.cuda.empty_cache()
+
+
+def bench_host(fla, rows: list[dict]) -> None:
+    import kernels_triton as kt
+
+    for hname in ("27B-TP4", "397B-TP8"):
+        H, HV = HEADS[hname]
+        d = _prefill_inputs([64], H, HV)
+        meta = kt.prepare_gdn_metadata(d["cu"])
+        ours = host_us_per_call(_ours_prefill(d, meta))
+        theirs = host_us_per_call(_fla_prefill(fla, d)) if fla is not None else None
+        rows.append(_bench.row("gdn_chunk_prefill host cost", f"{hname} T=64", "bfloat16", ours / 1e3,
+                               "fla.chunk_gated_delta_rule" if theirs else None,
+                               None if theirs is None else theirs / 1e3, host_us=round(ours, 1),
+                               anchor_host_us=None if theirs is None else round(theirs, 1)))
+        print(_line(rows[-1]), flush=True)
+
+
+def _decode_inputs(B: int, H: int, HV: int, seed: int = 0) -> dict:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+
+    def rnd(*shape, dtype=None, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device=DEVICE) * scale).to(dtype or DTYPE)
+
+    return dict(q=rnd(B, 1, H, K), k=rnd(B, 1, H, K), v=rnd(B, 1, HV, V), a=rnd(B, 1, HV), b=rnd(B, 1, HV),
+                A_log=rnd(HV, dtype=torch.float32, scale=0.5), dt_bias=rnd(HV, dtype=torch.float32, scale=0.5),
+                pool=rnd(B, HV, K, V, dtype=torch.float32, scale=0.1),
+                slots=torch.arange(B, dtype=torch.int32, device=DEVICE))
+
+
+def bench_decode(fla, args, ceil: dict, rows: list[dict], save=lambda: None) -> None:
+    import kernels_triton as kt
+
+    for hname, (H, HV) in HEADS.items():
+        for B in DECODE_BATCHES:
+            if args.quick and B not in (1, 128):
+                continue
+            try:
+                d = _decode_inputs(B, H, HV)
+                ours = lambda d=d: kt.gdn_recurrent_step(  # noqa: E731
+                    d["q"], d["k"], d["v"], state_pool=d["pool"], state_slots=d["slots"], a=d["a"], b=d["b"],
+                    A_log=d["A_log"], dt_bias=d["dt_bias"], use_qk_l2norm=True)
+                ours_ms = _bench.time_graph_ms(ours)
+                anchor_ms = None
+                if fla is not None:
+                    try:
+                        h0 = d["pool"].clone()
+                        theirs = lambda d=d, h0=h0, recurrent=fla[1]: recurrent(  # noqa: E731
+                            d["q"], d["k"], d["v"], g=d["a"], beta=d["b"], initial_state=h0,
+                            output_final_state=True, use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                            A_log=d["A_log"], dt_bias=d["dt_bias"], use_beta_sigmoid_in_kernel=True)
+                        anchor_ms = _bench.time_graph_ms(theirs)
+                    except Exception as e:  # noqa: BLE001
+                        print(f"FLA decode failed: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                state_bytes = 2 * B * HV * K * V * 4
+                gbps = state_bytes / ours_ms / 1e6
+                rows.append(_bench.row(
+                    "gdn_recurrent_step", f"{hname} H={H} HV={HV} B={B}", "bfloat16", ours_ms,
+                    "fla.fused_recurrent_gated_delta_rule" if anchor_ms else None, anchor_ms, heads=hname, B=B,
+                    tokens_per_s=round(B / ours_ms * 1e3), us=round(ours_ms * 1e3, 2),
+                    state_GBps=round(gbps), roofline_pct=round(100 * gbps / ceil["copy_GBps"], 1),
+                    anchor_state_GBps=None if not anchor_ms else round(state_bytes / anchor_ms / 1e6)))
+                print(_line(rows[-1]), flush=True)
+                save()
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append(_bench.row("gdn_recurrent_step", f"{hname} B={B}", "bfloat16", math.nan,
+                                       error=f"{type(e).__name__}: {str(e)[:300]}"))
+
+
+SWEEP_PREFILL = {  # shapes whose best scan config differs most: many heads, few heads, long/short seqs
+    "27B-TP1 1x32768": ("27B-TP1", [32768]),
+    "397B-TP8 1x65536": ("397B-TP8", [65536]),
+    "27B-TP4 8x4096": ("27B-TP4", [4096] * 8),
+    "27B-TP1 64x512": ("27B-TP1", [512] * 64),
+}
+
+
+def sweep(args, rows: list[dict], deadline: float) -> None:
+    """Time launch-config variants: scan BV x warps x stages, prepare warps, decode BV x warps."""
+    import kernels_triton as kt
+
+    for label, (hname, lens) in SWEEP_PREFILL.items():
+        H, HV = HEADS[hname]
+        d = _prefill_inputs(lens, H, HV)
+        meta = kt.prepare_gdn_metadata(d["cu"])
+        variants = [("scan", {"BV": bv, "num_warps": w, "num_stages": s})
+                    for bv in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
+        variants += [("prepare", {"num_warps": w, "num_stages": 1}) for w in (4, 8)]
+        for phase, cfg in variants:
+            if time.time() > deadline:
+                print("sweep: deadline reached", flush=True)
+                return
+            try:
+                fn = _ours_prefill(d, meta, **{f"{phase}_config": cfg})
+                kernels = kernel_times_ms(fn, calls=3)
+                name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
+                ms = sum(v for k, v in kernels.items() if k.startswith(name))
+                rows.append({"sweep": phase, "shape": label, "config": cfg, "kernel_ms": round(ms, 4)})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"sweep": phase, "shape": label, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(rows[-1], flush=True)
+        del d
+        torch.cuda.empty_cache()
+    for hname in ("27B-TP1", "397B-TP8"):
+        H, HV = HEADS[hname]
+        for B in (1, 32, 128, 512):
+            d = _decode_inputs(B, H, HV)
+            for bv in (8, 16, 32, 64):
+                for w in (1, 2, 4, 8):
+                    if time.time() > deadline:
+                        return
+                    cfg = {"BV": bv, "num_warps": w}
+                    try:
+                        fn = lambda d=d, cfg=cfg: kt.gdn_recurrent_step(  # noqa: E731
+                            d["q"], d["k"], d["v"], state_pool=d["pool"], state_slots=d["slots"], a=d["a"], b=d["b"],
+                            A_log=d["A_log"], dt_bias=d["dt_bias"], use_qk_l2norm=True, step_config=cfg)
+                        ms = _bench.time_graph_ms(fn)
+                        rows.append({"sweep": "decode", "shape": f"{hname} B={B}", "config": cfg,
+                                     "us": round(ms * 1e3, 2),
+                                     "state_GBps": round(2 * B * HV * K * V * 4 / ms / 1e6)})
+                    except Exception as e:  # noqa: BLE001
+                        rows.append({"sweep": "decode", "shape": f"{hname} B={B}", "config": cfg,
+                                     "error": f"{type(e).__name__}: {e}"[:300]})
+                    print(rows[-1], flush=True)
+
+
+def dump_fla_autotune(path: Path) -> int:
+    """Write the configs FLA's autotuners picked in this process (FLA's config-file format, all kernels in one
+    JSON), so a later run can load them with FLA_CACHE_MODE=strict instead of autotuning again."""
+    from triton.runtime.autotuner import Autotuner
+
+    try:
+        from fla.ops.utils.cache import AutotuneKey
+    except Exception:  # noqa: BLE001
+        return 0
+    out: dict[str, dict] = {}
+    for name, mod in list(sys.modules.items()):
+        if not name.startswith("fla.") or mod is None:
+            continue
+        for obj in vars(mod).values():
+            if isinstance(obj, Autotuner) and obj.cache:
+                kname = obj.fn.fn.__name__ if hasattr(obj.fn, "fn") else obj.fn.__name__
+                entries = out.setdefault(kname, {"kernel_name": kname, "autotune_entries": {}})["autotune_entries"]
+                for key, cfg in obj.cache.items():
+                    entries[AutotuneKey.key_hash(key)] = {"autotune_key": list(key), "config": {
+                        "kwargs": dict(cfg.kwargs), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                        "num_ctas": getattr(cfg, "num_ctas", 1), "maxnreg": getattr(cfg, "maxnreg", None)}}
+    path.write_text(json.dumps(out, indent=1, default=str))
+    return len(out)
+
+
+def _line(r: dict) -> str:
+    keys = ("shape", "ours_ms", "anchor_ms", "speedup", "tflops", "state_GBps", "roofline_pct", "host_us",
+            "anchor_host_us", "error")
+    return "  ".join(f"{k}={r[k]}" for k in keys if r.get(k) is not None)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="bench_gdn", description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default="tuning/results", help="directory for gdn_<device>.json")
+    parser.add_argument("--quick", action="store_true", help="a few shapes only")
+    parser.add_argument("--sweep", action="store_true", help="also time launch-config variants (gdn_sweep.json)")
+    parser.add_argument("--no-fla", action="store_true", help="skip the FLA anchor (DESIGN.md figures are used)")
+    parser.add_argument("--fla-deadline", type=float, default=1e9,
+                        help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
+    parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_gdn needs a CUDA device", file=sys.stderr)
+        return 2
+    start = time.time()
+    ceil = _bench.ceilings()
+    print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
+    fla = None if args.no_fla else _fla()
+    rows: list[dict] = []
+    name = "gdn_" + _bench.device_name().lower().replace(" ", "_")
+    meta = {"ceilings": ceil, "flop_per_token_head": flop_per_token_head(), "quick": args.quick,
+            "ours": "raw gating + L2 + h0/final state + metadata",
+            "anchor": "FLA g/beta precomputed, qk-l2norm in kernel, h0/final state, chunk indices precomputed"}
+
+    def save() -> Path:  # after every row, so a run stopped at its time limit still leaves its rows
+        meta["wall_s"] = round(time.time() - start)
+        return _bench.write_results(args.out, name, rows, meta)
+
+    bench_decode(fla, args, ceil, rows, save)
+    bench_prefill(fla, args, ceil, rows, start + args.fla_deadline, save)
+    try:
+        bench_host(fla, rows)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
+    path = save()
+    if fla is not None:
+        n = dump_fla_autotune(Path(args.out) / "fla_autotune.json")
+        print(f"FLA autotune configs of {n} kernels -> {Path(args.out) / 'fla_autotune.json'}")
+    if args.sweep:
+        sweep_rows: list[dict] = []
+        sweep(args, sweep_rows, start + args.sweep_deadline)
+        _bench.write_results(args.out, "gdn_sweep", sweep_rows, {"ceilings": ceil})
+    cols = ["op", "shape", "ours_ms", "anchor_ms", "speedup", "tokens_per_s", "tflops", "state_GBps",
+            "roofline_pct", "host_us", "anchor_host_us"]
+    print(_bench.format_table([r for r in rows if "error" not in r], cols))
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
