@@ -175,7 +175,7 @@ def bench_prefill(fla, args, ceil: dict, rows: list[dict], deadline: float, save
             torch.cuda.empty_cache()
 
 
-def bench_host(fla, rows: list[dict]) -> None:
+def bench_host(fla, rows: list[dict], deadline: float) -> None:
     import kernels_triton as kt
 
     for hname in ("27B-TP4", "397B-TP8"):
@@ -183,7 +183,7 @@ def bench_host(fla, rows: list[dict]) -> None:
         d = _prefill_inputs([64], H, HV)
         meta = kt.prepare_gdn_metadata(d["cu"])
         ours = host_us_per_call(_ours_prefill(d, meta))
-        theirs = host_us_per_call(_fla_prefill(fla, d)) if fla is not None else None
+        theirs = host_us_per_call(_fla_prefill(fla, d)) if fla is not None and time.time() < deadline else None
         rows.append(_bench.row("gdn_chunk_prefill host cost", f"{hname} T=64", "bfloat16", ours / 1e3,
                                "fla.chunk_gated_delta_rule" if theirs else None,
                                None if theirs is None else theirs / 1e3, host_us=round(ours, 1),
@@ -251,7 +251,7 @@ SWEEP_PREFILL = {  # shapes whose best scan config differs most: many heads, few
 }
 
 
-def sweep(args, rows: list[dict], deadline: float) -> None:
+def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     """Time launch-config variants: scan BV x warps x stages, prepare warps, decode BV x warps."""
     import kernels_triton as kt
 
@@ -275,6 +275,7 @@ def sweep(args, rows: list[dict], deadline: float) -> None:
             except Exception as e:  # noqa: BLE001
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)
+            save()
         del d
         torch.cuda.empty_cache()
     for hname in ("27B-TP1", "397B-TP8"):
@@ -298,6 +299,7 @@ def sweep(args, rows: list[dict], deadline: float) -> None:
                         rows.append({"sweep": "decode", "shape": f"{hname} B={B}", "config": cfg,
                                      "error": f"{type(e).__name__}: {e}"[:300]})
                     print(rows[-1], flush=True)
+                    save()
 
 
 def dump_fla_autotune(path: Path) -> int:
@@ -345,6 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gdn needs a CUDA device", file=sys.stderr)
         return 2
     start = time.time()
+    torch.set_grad_enabled(False)
     ceil = _bench.ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     fla = None if args.no_fla else _fla()
@@ -361,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
     bench_decode(fla, args, ceil, rows, save)
     bench_prefill(fla, args, ceil, rows, start + args.fla_deadline, save)
     try:
-        bench_host(fla, rows)
+        bench_host(fla, rows, start + args.fla_deadline)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     path = save()
@@ -370,8 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FLA autotune configs of {n} kernels -> {Path(args.out) / 'fla_autotune.json'}")
     if args.sweep:
         sweep_rows: list[dict] = []
-        sweep(args, sweep_rows, start + args.sweep_deadline)
-        _bench.write_results(args.out, "gdn_sweep", sweep_rows, {"ceilings": ceil})
+        sweep(args, sweep_rows, start + args.sweep_deadline,
+              lambda: _bench.write_results(args.out, "gdn_sweep", sweep_rows, {"ceilings": ceil}))
     cols = ["op", "shape", "ours_ms", "anchor_ms", "speedup", "tokens_per_s", "tflops", "state_GBps",
             "roofline_pct", "host_us", "anchor_host_us"]
     print(_bench.format_table([r for r in rows if "error" not in r], cols))
