@@ -85,8 +85,9 @@ def test_route_ties_go_to_the_lowest_id():
 
 @pytest.mark.parametrize("single", [True, False])
 def test_alignment_groups_slots_by_expert(single, monkeypatch):
-    if not single:  # force the three-launch path (count, scan, scatter) on a small input
-        monkeypatch.setattr(talign, "SINGLE_CHUNK_MAX", 32)
+    if not single:  # force the multi-launch path on a small input: several chunks, scan tiles and group columns
+        for name, value in (("SINGLE_CHUNK_MAX", 32), ("CHUNK", 32), ("SCAN_GROUPS", 4), ("SCAN_TILE", 8)):
+            monkeypatch.setattr(talign, name, value)
     gen = torch.Generator().manual_seed(1)
     E, block_m = 10, 16
     ids = torch.randint(0, 13, (70, 3), generator=gen, dtype=torch.int32)  # 13 global experts
@@ -122,6 +123,7 @@ def test_experts_match_reference(M, dtype):
 def test_experts_large_tiles_and_multi_chunk_alignment(monkeypatch):
     """M*k/E = 50 slots per expert: BLOCK_M 64 tensor-core tiles; alignment over several chunks."""
     monkeypatch.setattr(talign, "SINGLE_CHUNK_MAX", 128)
+    monkeypatch.setattr(talign, "CHUNK", 64)
     gen = torch.Generator().manual_seed(7)
     E, k, H, I, M = 8, 2, 64, 32, 200
     assert tconfig.configs(M, k, E, H, I, torch.float16, torch.device(DEVICE))[0].BLOCK_M >= 64

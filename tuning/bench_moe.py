@@ -43,13 +43,14 @@ SHAPES = {  # name: (E, k, H, I)
 MS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 QUICK_SHAPES, QUICK_MS = ("35B-A3B", "397B-A17B-TP8"), (1, 16, 1024, 16384)
 GRAPH_MAX_M = 256
-BREAKDOWN_MS = (1, 16, 4096, 16384)
+BREAKDOWN_MS = (1, 16, 1024, 4096, 16384)
 TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates; the heuristic's pick is always added
 SMALL_UP = [(32, 256, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 6), (64, 256, 4, 3)]
 SMALL_DOWN = [(64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 5)]
-LARGE_UP = [(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4), (256, 64, 8, 3), (128, 32, 8, 4)]
-LARGE_DOWN = [(128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4)]
+LARGE_UP = [(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4), (256, 64, 8, 3), (128, 32, 8, 4), (128, 64, 8, 4)]
+LARGE_DOWN = [(128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4), (128, 128, 4, 2),
+              (256, 128, 8, 2)]
 
 
 # ----------------------------------------------------------------------------- the two pipelines
@@ -116,19 +117,24 @@ def _routing(x, w, top_k):  # noqa: ANN001, ANN202
 
 
 def _stage_ms(x, w, top_k) -> dict:  # noqa: ANN001
-    """Each stage of ours timed alone on its real inputs: where the time goes."""
-    from kernels_triton.moe import align, config, experts
+    """Each launch group of ours (as moe_block runs them) timed alone on its real inputs: where the time goes."""
+    from kernels_triton.moe import align, config, experts, routing
 
     M, H = x.shape
     E, I = w["w13"].shape[0], w["w2"].shape[2]
     up_cfg, down_cfg = config.configs(M, top_k, E, H, I, x.dtype, x.device)
-    weights, ids = _routing(x, w, top_k)
-    al = align.align(ids, n_local=E, block_m=up_cfg.BLOCK_M)
+    logits, n_splits = routing.router_logits(x, w["router_weight"], None)
+
+    def route_align():  # noqa: ANN202
+        return align.route_and_align(logits, n_splits, top_k, True, n_experts=E, n_local=E,
+                                     block_m=up_cfg.BLOCK_M, expert_map=None, gate=False, shared=False)
+
+    weights, _, al = route_align()
     h = experts.gate_up(x, w["w13"], None, al, top_k, up_cfg)
     y = experts.down(h, w["w2"], None, al, weights, down_cfg)
     stages = {
-        "route": lambda: _routing(x, w, top_k),
-        "align": lambda: align.align(ids, n_local=E, block_m=up_cfg.BLOCK_M),
+        "router_gemm": lambda: routing.router_logits(x, w["router_weight"], None),
+        "route_align": route_align,
         "gate_up": lambda: experts.gate_up(x, w["w13"], None, al, top_k, up_cfg),
         "down": lambda: experts.down(h, w["w2"], None, al, weights, down_cfg),
         "combine": lambda: experts.combine(y, al, M, top_k),
@@ -276,7 +282,7 @@ def tune_point(name: str, M: int, w: dict) -> dict:
                 gate_up=best[1].as_dict(), down=best[2].as_dict(), tried=tried)
 
 
-def run_tuning(out: Path, shapes: list[str], ms: list[int], budget_s: float) -> list[dict]:
+def run_tuning(out: Path, shapes: list[str], ms: list[int], budget_s: float, merge: bool = False) -> list[dict]:
     from kernels_triton import _config
     from kernels_triton.moe import config
 
@@ -284,6 +290,11 @@ def run_tuning(out: Path, shapes: list[str], ms: list[int], budget_s: float) -> 
     slug = _config.device_slug(_bench.device_name())
     docs = {op: {"device": _bench.device_name(), "op": op, "triton": _triton_version(), "entries": {}}
             for op in (config.GATE_UP_OP, config.DOWN_OP)}
+    if merge:  # start from the committed files: points not tuned now keep their entries
+        for op, doc in docs.items():
+            path = Path(__file__).resolve().parent / "configs" / slug / f"{op}.json"
+            if path.is_file():
+                doc["entries"] = json.loads(path.read_text()).get("entries", {})
     points = []
     for M in ms:  # bucket-major: every shape gets its decode and prefill points before the budget runs out
         for name in shapes:
@@ -346,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, M in {QUICK_MS}")
     ap.add_argument("--tune", action="store_true", help="sweep GEMM configs instead of benchmarking")
     ap.add_argument("--tune-budget-s", type=float, default=150.0, help="stop tuning after this many seconds")
+    ap.add_argument("--merge", action="store_true", help="with --tune: keep the committed entries not re-tuned")
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
     args = ap.parse_args(argv)
@@ -356,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.tune:
         ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else TUNE_MS)
-        run_tuning(out, shapes, ms, args.tune_budget_s)
+        run_tuning(out, shapes, ms, args.tune_budget_s, merge=args.merge)
     else:
         ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else MS)
         run_benchmark(out, shapes, ms)

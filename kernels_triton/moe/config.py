@@ -8,16 +8,17 @@ tokens M. Each entry holds ``BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages``.
 Alignment pads every expert's group of token-slots to a multiple of ``BLOCK_M``, so both GEMMs
 must use one ``BLOCK_M``: the gate_up entry's value wins and the down entry's is overridden.
 
-Heuristic (no file or no entry; :mod:`kernels_triton._config` logs one INFO line per shape):
+Heuristic (no file or no entry; :mod:`kernels_triton._config` logs one INFO line per shape),
+read off the first H200 sweep (``tuning/notes_moe.md``):
 
-- ``BLOCK_M`` follows the mean number of token-slots per expert, ``M*k/E``: 16 up to 16 (the
-  decode path: with ``M <= 16`` each active expert is one block, so its weights are read once),
-  then 32, 64, and 128 from 96 up.
-- Up to ``BLOCK_M = 32`` the GEMMs are weight-streaming: narrow ``BLOCK_N`` (32 for gate_up,
-  which reads gate and up rows, 64 for down) to spread the weights over many programs, deep
-  ``BLOCK_K`` (256 / 128) and 4 stages to keep bytes in flight.
-- From ``BLOCK_M = 64``: tensor-core tiles, ``BLOCK_N = 128``, ``BLOCK_K = 64``, 8 warps at
-  ``BLOCK_M = 128``, 3 stages (gate_up holds two accumulators) or 4 (down).
+- ``BLOCK_M`` follows the mean number of token-slots per expert, ``M*k/E``: 16 up to 12 (and
+  always for ``M <= 16``, the decode path: each active expert is one block, its weights read
+  once), 64 up to 96, else 128.
+- ``BLOCK_M = 16`` streams weights: gate_up ``BLOCK_N`` 32 x ``BLOCK_K`` 256 at ``M <= 16``
+  (many programs), else 64 x 128; down 128 x 64, 5 stages; 4 warps.
+- ``BLOCK_M = 64``: 128 x 64 tiles, 4 warps, 4 stages, both GEMMs.
+- ``BLOCK_M = 128``: gate_up 128 x 64 (two accumulators) with 8 warps, 3 stages; down 256 x 64,
+  8 warps, 3 stages.
 """
 
 from __future__ import annotations
@@ -59,24 +60,23 @@ def _pow2_at_most(n: int, cap: int) -> int:
 def block_m_for(M: int, top_k: int, E: int) -> int:
     """BLOCK_M from the mean token-slots per expert (see module docstring)."""
     per_expert = M * top_k / max(E, 1)
-    if M <= 16 or per_expert <= 16:
+    if M <= 16 or per_expert <= 12:
         return 16
-    if per_expert <= 32:
-        return 32
-    if per_expert <= 96:
-        return 64
-    return 128
+    return 64 if per_expert <= 96 else 128
 
 
 def heuristic(which: str, M: int, top_k: int, E: int, N: int, K: int) -> GemmConfig:
     """The documented fallback config for ``which`` in ('gate_up', 'down')."""
     bm = block_m_for(M, top_k, E)
-    gate_up = which == "gate_up"
-    if bm <= 32:
-        bn = _pow2_at_most(N // 2 if gate_up else N, 32 if gate_up else 64)
-        return GemmConfig(bm, bn, _pow2_at_most(K, 256 if gate_up else 128), 4, 4)
-    bn = _pow2_at_most(N // 2 if gate_up else N, 128)
-    return GemmConfig(bm, bn, _pow2_at_most(K, 64), 8 if bm == 128 else 4, 3 if gate_up else 4)
+    n_cols = N // 2 if which == "gate_up" else N
+    if bm == 16:
+        bn, bk, warps, stages = ((32, 256, 4, 4) if M <= 16 else (64, 128, 4, 4)) if which == "gate_up" else (
+            128, 64, 4, 5)
+    elif bm == 64:
+        bn, bk, warps, stages = 128, 64, 4, 4
+    else:
+        bn, bk, warps, stages = (128, 64, 8, 3) if which == "gate_up" else (256, 64, 8, 3)
+    return GemmConfig(bm, _pow2_at_most(n_cols, bn), _pow2_at_most(K, bk), warps, stages)
 
 
 def _from_entry(entry: dict | None) -> GemmConfig | None:

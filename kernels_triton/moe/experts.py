@@ -49,7 +49,7 @@ def _expert_weights(w_ptr, shared_w_ptr, group, expert_numel, E_LOCAL, HAS_SHARE
 def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                     total_blocks_ptr, h_ptr, H, I, SLOTS, E_LOCAL, HAS_SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
     block, tile_n = pid // n_tiles, pid % n_tiles
@@ -76,8 +76,12 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, gro
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
             bu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc_g = tl.dot(a, bg, acc_g)
-        acc_u = tl.dot(a, bu, acc_u)
+        if IEEE:  # fp32 inputs: full fp32 products, not tf32
+            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+        else:
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -90,7 +94,7 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, gro
 def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                  total_blocks_ptr, weights_ptr, y_ptr, H, I, E_LOCAL, HAS_SHARED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr):
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
     block, tile_n = pid // n_tiles, pid % n_tiles
@@ -113,7 +117,10 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
             k_ok = (ks + k0) < I
             a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
             b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
@@ -148,7 +155,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None,
         x, w13, shared_w13 if shared_w13 is not None else w13, al.sorted_slots, al.block_group, al.group_start,
         al.group_count, al.total_blocks, h, H, I, slots, w13.shape[0], HAS_SHARED=shared_w13 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=H % cfg.BLOCK_K == 0,
-        EVEN_N=I % cfg.BLOCK_N == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_N=I % cfg.BLOCK_N == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return h
 
 
@@ -162,7 +170,8 @@ def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: 
         h, w2, shared_w2 if shared_w2 is not None else w2, al.sorted_slots, al.block_group, al.group_start,
         al.group_count, al.total_blocks, weights, y, H, I, w2.shape[0], HAS_SHARED=shared_w2 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
-        EVEN_N=H % cfg.BLOCK_N == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y
 
 

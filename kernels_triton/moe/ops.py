@@ -29,20 +29,15 @@ def moe_route(
     return _routing.route(router_logits, top_k, renormalize)
 
 
-def _grouped_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
-                     ids: torch.Tensor, top_k: int, expert_map: torch.Tensor | None,
-                     shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     extra: torch.Tensor | None = None) -> torch.Tensor:
-    """Routed experts (+ the shared one as a last pick when ``shared``) for picks ``ids`` ``[M, slots]``."""
-    M, H = x.shape
-    E, I = w13.shape[0], w2.shape[2]
-    slots = ids.shape[1]
-    up_cfg, down_cfg = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
-    al = _align.align(ids, n_local=E, block_m=up_cfg.BLOCK_M, expert_map=expert_map, shared=shared is not None)
+def _run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                 al: _align.Alignment, cfgs: tuple[_config.GemmConfig, _config.GemmConfig],
+                 shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 extra: torch.Tensor | None = None) -> torch.Tensor:
+    """gate_up -> down -> combine over aligned picks (the shared expert is the last pick when ``shared``)."""
     shared_w13, shared_w2 = shared if shared is not None else (None, None)
-    h = _experts.gate_up(x, w13, shared_w13, al, slots, up_cfg)
-    y = _experts.down(h, w2, shared_w2, al, weights, down_cfg)
-    return _experts.combine(y, al, M, slots, extra)
+    h = _experts.gate_up(x, w13, shared_w13, al, weights.shape[1], cfgs[0])
+    y = _experts.down(h, w2, shared_w2, al, weights, cfgs[1])
+    return _experts.combine(y, al, x.shape[0], weights.shape[1], extra)
 
 
 def moe_experts(
@@ -56,8 +51,10 @@ def moe_experts(
     """Routed expert MLPs and their weighted top-k sum; ``[M, H]`` in x's dtype."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    return _grouped_experts(x, w13, w2, topk_weights.float().contiguous(), topk_ids.contiguous(),
-                            topk_ids.shape[1], expert_map)
+    (M, H), (E, I), top_k = x.shape, (w13.shape[0], w2.shape[2]), topk_ids.shape[1]
+    cfgs = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
+    al = _align.align(topk_ids, n_local=E, block_m=cfgs[0].BLOCK_M, expert_map=expert_map)
+    return _run_experts(x, w13, w2, topk_weights.float().contiguous(), al, cfgs)
 
 
 def _torch_shared_expert(x, shared_w13, shared_w2, gate_weight):  # noqa: ANN001, ANN202
@@ -84,14 +81,15 @@ def moe_block(
     """Router -> routing -> experts (+ sigmoid-gated shared expert) in one call; ``[M, H]`` in x's dtype."""
     if x.shape[0] == 0:
         return torch.empty_like(x)
-    E_global = router_weight.shape[0]
+    (M, H), (E, I) = x.shape, (w13.shape[0], w2.shape[2])
     fused_shared = shared_w13 is not None and shared_w13.shape[0] == w13.shape[1]
     gate = shared_gate_weight if fused_shared else None
+    cfgs = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
     logits, n_splits = _routing.router_logits(x, router_weight, gate)
-    weights, ids = _routing.route(logits, top_k, renormalize, n_splits=n_splits, n_experts=E_global,
-                                  gate=gate is not None, shared=fused_shared)
+    weights, _, al = _align.route_and_align(
+        logits, n_splits, top_k, renormalize, n_experts=router_weight.shape[0], n_local=E,
+        block_m=cfgs[0].BLOCK_M, expert_map=expert_map, gate=gate is not None, shared=fused_shared)
     extra = None
     if shared_w13 is not None and not fused_shared:
         extra = _torch_shared_expert(x, shared_w13, shared_w2, shared_gate_weight)
-    shared = (shared_w13, shared_w2) if fused_shared else None
-    return _grouped_experts(x, w13, w2, weights, ids, top_k, expert_map, shared, extra)
+    return _run_experts(x, w13, w2, weights, al, cfgs, (shared_w13, shared_w2) if fused_shared else None, extra)

@@ -1,7 +1,8 @@
 """Router: logits GEMM (fp32 out, split-K partials) and fused softmax -> top-k -> renormalise.
 
 Top-k selects on the fp32 logits (softmax is monotone, so this is the order of the
-probabilities without their rounding), ties to the lowest expert id; weights are
+probabilities without their rounding), ties to the lowest expert id: each pick is one max
+over ``(order-preserving int32 of the logit) << 32 | (E_PAD - 1 - id)``. Weights are
 ``exp(l - max)`` of the picks over their sum (renormalise) or over the sum of all experts.
 """
 
@@ -17,7 +18,7 @@ ROUTE_TILE = 4096  # elements of the [rows, E_PAD] logits tile one route program
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, M, H, E, K_PER_SPLIT,
                           HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
     """out[s, m, n] = sum over this split's slice of H of x[m, :] * W[n, :], W = router rows then the gate row."""
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_out = E + HAS_GATE
@@ -35,7 +36,10 @@ def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, M, H, E, K_PER_SPLIT,
         if HAS_GATE:  # column E is the shared expert's gate
             b += tl.load(gate_ptr + kk[:, None] + 0 * cols[None, :], mask=(cols == E)[None, :] & k_ok[:, None],
                          other=0.0)
-        acc = tl.dot(a, b, acc)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
     out = out_ptr + pid_s * M * n_out + rows[:, None] * n_out + cols[None, :]
     tl.store(out, acc, mask=row_ok[:, None] & (cols < n_out)[None, :])
 
@@ -43,44 +47,49 @@ def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, M, H, E, K_PER_SPLIT,
 @triton.jit
 def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     """logits [R, E_PAD] fp32 (columns >= E ignored) -> (weights [R, K_PAD] fp32, ids [R, K_PAD] int32)."""
+    E_PAD: tl.constexpr = logits.shape[1]
     real = cols[None, :] < E
-    logits = tl.where(real, logits, float("-inf"))
-    top = tl.max(logits, axis=1)
-    probs = tl.where(real, tl.exp(logits - top[:, None]), 0.0)
+    logits = tl.where(logits == 0.0, 0.0, logits)  # -0.0 -> +0.0: equal logits must tie
+    top = tl.max(tl.where(real, logits, float("-inf")), axis=1)
+    total = tl.sum(tl.where(real, tl.exp(logits - top[:, None]), 0.0), axis=1)
+    bits = logits.to(tl.int32, bitcast=True)
+    order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int32 order == float order
+    packed = (order.to(tl.int64) << 32) | ((E_PAD - 1) - cols[None, :].to(tl.int64))
+    packed = tl.where(real, packed, -(1 << 63))
     slot = tl.arange(0, K_PAD)[None, :]
     ids = tl.zeros((logits.shape[0], K_PAD), dtype=tl.int32)
     picked = tl.zeros((logits.shape[0], K_PAD), dtype=tl.float32)
-    free = real
     for j in tl.static_range(TOP_K):
-        best = tl.max(tl.where(free, logits, float("-inf")), axis=1)
-        idx = tl.min(tl.where(free & (logits == best[:, None]), cols[None, :], 1 << 30), axis=1)
+        best = tl.max(packed, axis=1)
+        idx = (E_PAD - 1) - (best & 0xFFFFFFFF).to(tl.int32)
+        key = (best >> 32).to(tl.int32)
+        value = tl.where(key >= 0, key, key ^ 0x7FFFFFFF).to(tl.float32, bitcast=True)
         ids = tl.where(slot == j, idx[:, None], ids)
-        picked = tl.where(slot == j, tl.exp(best - top)[:, None], picked)
-        free = free & (cols[None, :] != idx[:, None])
+        picked = tl.where(slot == j, tl.exp(value - top)[:, None], picked)
+        packed = tl.where(cols[None, :] == idx[:, None], -(1 << 63), packed)
     if RENORMALIZE:
         denom = tl.sum(picked, axis=1)
     else:
-        denom = tl.sum(probs, axis=1)
+        denom = total
     return picked / denom[:, None], ids
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, n_splits, SHARED_ID,
-                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
-                  RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """Per row: sum the split-K partials in order, pick top-k; with HAS_SHARED append the shared slot.
+def _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, n_splits, SHARED_ID, TOP_K: tl.constexpr,
+                K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
+                HAS_SHARED: tl.constexpr):
+    """Route the rows ``rows``: sum the split-K partials in order, pick top-k, store; append the shared slot.
 
     logits ``[n_splits, M, E + HAS_GATE]``; outputs ``[M, TOP_K + HAS_SHARED]``. The shared slot's
     id is SHARED_ID and its weight sigmoid(gate logit) (1 without a gate).
     """
     n_in = E + HAS_GATE
     n_out = TOP_K + HAS_SHARED
-    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, E_PAD)
     row_ok = rows < M
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * n_in + cols[None, :]
     mask = row_ok[:, None] & (cols < E)[None, :]
-    logits = tl.zeros((ROWS, E_PAD), dtype=tl.float32)
+    logits = tl.zeros((rows.shape[0], E_PAD), dtype=tl.float32)
     for s in range(n_splits):
         logits += tl.load(ptrs + s * M * n_in, mask=mask, other=0.0).to(tl.float32)
     weights, ids = _top_k_rows(logits, cols, E, TOP_K, K_PAD, RENORMALIZE)
@@ -90,7 +99,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, n_splits, SHARED_ID,
     tl.store(weights_ptr + out, weights, mask=out_mask)
     tl.store(ids_ptr + out, ids, mask=out_mask)
     if HAS_SHARED:
-        gate = tl.zeros((ROWS,), dtype=tl.float32)
+        gate = tl.zeros((rows.shape[0],), dtype=tl.float32)
         if HAS_GATE:
             for s in range(n_splits):
                 gate += tl.load(logits_ptr + s * M * n_in + rows * n_in + E, mask=row_ok, other=0.0)
@@ -98,16 +107,32 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, n_splits, SHARED_ID,
         else:
             w_shared = gate + 1.0
         tl.store(weights_ptr + rows * n_out + TOP_K, w_shared, mask=row_ok)
-        tl.store(ids_ptr + rows * n_out + TOP_K, tl.zeros((ROWS,), dtype=tl.int32) + SHARED_ID, mask=row_ok)
+        tl.store(ids_ptr + rows * n_out + TOP_K, tl.zeros((rows.shape[0],), dtype=tl.int32) + SHARED_ID, mask=row_ok)
 
 
-def _pow2(n: int, lo: int = 1) -> int:
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, n_splits, SHARED_ID, TOP_K: tl.constexpr,
+                  K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, n_splits, SHARED_ID, TOP_K, K_PAD, E_PAD,
+                RENORMALIZE, HAS_GATE, HAS_SHARED)
+
+
+def pow2(n: int, lo: int = 1) -> int:
     return max(lo, triton.next_power_of_2(n))
+
+
+def route_launch_params(M: int, E: int, top_k: int) -> dict:
+    """Constexprs of a route tile: rows per tile sized so that [rows, E_PAD] stays ~ROUTE_TILE elements."""
+    e_pad = pow2(E, 16)
+    rows = max(1, min(16, pow2(M), ROUTE_TILE // e_pad))
+    return dict(TOP_K=top_k, K_PAD=pow2(top_k, 2), E_PAD=e_pad, ROWS=rows)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int = 1, n_experts: int | None = None,
           gate: bool = False, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing of ``logits`` ``[n_splits, M, E + gate]`` (or ``[M, E]``); see :func:`_route_kernel`."""
+    """Top-k routing of ``logits`` ``[n_splits, M, E + gate]`` (or ``[M, E]``); see :func:`_route_tile`."""
     M = logits.shape[-2]
     E = n_experts if n_experts is not None else logits.shape[-1] - int(gate)
     slots = top_k + int(shared)
@@ -115,11 +140,11 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int 
     ids = torch.empty(M, slots, dtype=torch.int32, device=logits.device)
     if M == 0:
         return weights, ids
-    e_pad = _pow2(E, 16)
-    rows = max(1, min(16, ROUTE_TILE // e_pad))
-    _route_kernel[(triton.cdiv(M, rows),)](
-        logits, weights, ids, M, E, n_splits, E, TOP_K=top_k, K_PAD=_pow2(top_k, 2), E_PAD=e_pad, ROWS=rows,
-        RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate), HAS_SHARED=bool(shared), num_warps=4)
+    p = route_launch_params(M, E, top_k)
+    warps = max(1, min(4, p["ROWS"] * p["E_PAD"] // 512))  # small tiles: fewer warps, cheaper reductions
+    _route_kernel[(triton.cdiv(M, p["ROWS"]),)](
+        logits, weights, ids, M, E, n_splits, E, RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate),
+        HAS_SHARED=bool(shared), num_warps=warps, **p)
     return weights, ids
 
 
@@ -127,17 +152,19 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
                   gate_weight: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """fp32 logits ``[n_splits, M, E (+1 for the gate)]`` as split-K partials; returns (partials, n_splits).
 
-    Small M is a GEMV over the router weight: split H so that enough programs stream it.
+    Small M is a GEMV over the router weight: split H so that ~256 programs stream it. Large M
+    uses tensor-core tiles.
     """
     M, H = x.shape
     E = router_weight.shape[0]
     n_out = E + int(gate_weight is not None)
-    block_m = 16 if M <= 16 else 32 if M <= 64 else 64
-    block_n = 32 if M <= 64 else 64
-    block_k = 128 if M <= 64 else 64
+    if M <= 64:
+        block_m, block_n, block_k, warps, stages = 16, 16 if M <= 16 else 32, 128, 4, 3
+    else:
+        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
     tiles = triton.cdiv(M, block_m) * triton.cdiv(n_out, block_n)
     n_splits = 1
-    while tiles * n_splits < 128 and H // (n_splits * 2) >= 2 * block_k:
+    while tiles * n_splits < 256 and H // (n_splits * 2) >= block_k:
         n_splits *= 2
     k_per_split = triton.cdiv(triton.cdiv(H, n_splits), block_k) * block_k
     n_splits = triton.cdiv(H, k_per_split)
@@ -145,6 +172,6 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
     grid = (triton.cdiv(M, block_m), triton.cdiv(n_out, block_n), n_splits)
     _router_logits_kernel[grid](
         x, router_weight, gate_weight if gate_weight is not None else router_weight, out, M, H, E, k_per_split,
-        HAS_GATE=gate_weight is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        num_stages=3)
+        HAS_GATE=gate_weight is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return out, n_splits
