@@ -89,6 +89,11 @@ WEATHER = {
 }
 
 
+def test_transformers_sees_every_control_token_as_special(hf_tokenizer):
+    assert set(hf_tokenizer.all_special_tokens) == set(CONTROL_TOKENS)
+    assert not set(MARKUP_TOKENS) & set(hf_tokenizer.all_special_tokens)
+
+
 def test_plain_chat_and_thinking_switch(hf_tokenizer):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     base = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"

@@ -254,6 +254,8 @@ def tool_strict_schema(suite: Suite) -> None:
     reply = suite.chat(suite.request(WEATHER_QUESTION, max_tokens=64, tools=[strict], tool_choice=named("get_weather")))
     calls = _tool_calls(reply)
     expect(calls, "choices[0].message.tool_calls", "no tool call with a named tool_choice")
+    if choice(reply).get("finish_reason") == "length":
+        skip("cut by max_tokens before the call was complete (a strict grammar still allows whitespace runs)")
     arguments = _expect_well_formed_call(calls[0], "choices[0].message.tool_calls[0]", {"get_weather"})
     errors = schema_errors(arguments, strict["function"]["parameters"])
     expect(not errors, "choices[0].message.tool_calls[0].function.arguments", "; ".join(errors[:3]))

@@ -109,6 +109,9 @@ def tokenizer_config(model_max_length: int) -> dict:
         "eos_token": EOS_TOKEN,
         "pad_token": PAD_TOKEN,
         "unk_token": None,
+        # Listed so `all_special_tokens` holds every control token: vLLM's reasoning/tool parsers
+        # decode with skip_special_tokens off and drop exactly these from the reply text.
+        "additional_special_tokens": [t for t in CONTROL_TOKENS if t not in (EOS_TOKEN, PAD_TOKEN)],
         "add_bos_token": False,
         "add_prefix_space": False,
         "clean_up_tokenization_spaces": False,
