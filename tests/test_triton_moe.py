@@ -205,11 +205,16 @@ def test_block_with_expert_map():
     assert_close(out, _ref_block(kw, 3, expert_map=emap.cpu()), 4e-3, "moe_block with expert_map")
 
 
-def test_block_is_deterministic():
+@pytest.mark.parametrize("multi_chunk", [False, True])
+def test_block_is_deterministic(multi_chunk, monkeypatch):
+    if multi_chunk:  # 33 tokens x (2 picks + shared) over chunks of 32 slots
+        monkeypatch.setattr(talign, "SINGLE_CHUNK_MAX", 32)
+        monkeypatch.setattr(talign, "CHUNK", 32)
     gen = torch.Generator().manual_seed(9)
     kw = _block_inputs(gen, 33, torch.float16)
     first = tmoe.moe_block(**kw, top_k=2)
     assert torch.equal(first, tmoe.moe_block(**kw, top_k=2)), "two runs differ"
+    assert_close(first, _ref_block(kw, 2), 4e-3, "moe_block")
 
 
 # ----------------------------------------------------------------------------- configs and façade

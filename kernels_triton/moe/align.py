@@ -32,7 +32,7 @@ from kernels_triton.moe.routing import _route_tile, route, route_launch_params
 
 SINGLE_CHUNK_MAX = 1024  # slots handled by one fused program
 FUSED_ROUTE_MAX_M = 16  # tokens whose routing runs in the same program as their alignment
-CHUNK = 256  # slots per program in the multi-launch path
+CHUNK = 128  # slots per program in the multi-launch path (the scatter holds a [CHUNK, CHUNK] compare)
 SCAN_GROUPS = 32  # group columns per scan program
 SCAN_TILE = 8192  # elements of the [chunks, groups] tiles the scans hold
 _NO_KEY = tl.constexpr(0x7FFFFFFF)  # sorts after every real (group, index) key
