@@ -19,6 +19,15 @@ import triton.language as tl
 MAX_WIDTH = 8  # as the façade
 
 
+def _pow2(n: int) -> int:
+    """Next power of two >= n; plain Python (triton.next_power_of_2 costs microseconds of host time)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @triton.jit
 def _silu(y):
     return y / (1.0 + tl.exp(-y))
@@ -174,19 +183,19 @@ def causal_conv1d_prefill(
     N = cu_seqlens.numel() - 1 if varlen else 1
     if N == 0:
         return y
-    BD = min(128, triton.next_power_of_2(D))
+    BD = min(128, _pow2(D))
     pool = conv_pool is not None
     silu = activation == "silu"
     if T > 0:
         BT = 16
-        _conv_prefill_kernel[(triton.cdiv(T, BT), triton.cdiv(D, BD))](
+        _conv_prefill_kernel[(_cdiv(T, BT), _cdiv(D, BD))](
             x, weight, bias, y, cu_seqlens, T, D, N,
             W=W, BT=BT, BD=BD, SEARCH_STEPS=max(1, (N - 1).bit_length()), VARLEN=varlen,
             SKIP_HEADS=pool and W > 1, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
     if pool and W > 1:
-        _conv_head_kernel[(N, triton.cdiv(D, BD))](
+        _conv_head_kernel[(N, _cdiv(D, BD))](
             x, weight, bias, y, cu_seqlens, conv_pool, conv_slots, has_initial_state, T, D,
-            W=W, BD=BD, BH=triton.next_power_of_2(W - 1), VARLEN=varlen, HAS_INIT_FLAGS=has_initial_state is not None,
+            W=W, BD=BD, BH=_pow2(W - 1), VARLEN=varlen, HAS_INIT_FLAGS=has_initial_state is not None,
             HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
     return y
 
@@ -206,9 +215,9 @@ def causal_conv1d_update(
     y = torch.empty_like(x)
     if B == 0:
         return y
-    BD = min(256, triton.next_power_of_2(D))
-    _conv_update_kernel[(B, triton.cdiv(D, BD))](
+    BD = min(256, _pow2(D))
+    _conv_update_kernel[(B, _cdiv(D, BD))](
         x, weight, bias, y, conv_pool, conv_slots, D,
-        W=W, BD=BD, BW=triton.next_power_of_2(W), HAS_BIAS=bias is not None, SILU=activation == "silu",
+        W=W, BD=BD, BW=_pow2(W), HAS_BIAS=bias is not None, SILU=activation == "silu",
         num_warps=4)
     return y

@@ -15,6 +15,15 @@ import triton.language as tl
 ONE_PASS_MAX = 8192
 
 
+def _pow2(n: int) -> int:
+    """Next power of two >= n; plain Python (triton.next_power_of_2 costs microseconds of host time)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 @triton.jit
 def _load_input(x_ptr, res_ptr, s_ptr, offs, mask, RESIDUAL: tl.constexpr):
     """x (or x + residual, rounded to x's dtype and stored as the next residual) as fp32."""
@@ -80,9 +89,9 @@ def _launch(x, z, residual, weight, eps, gated: bool, zero_centered: bool):
             s.copy_(x + residual)
         return y, s
     one_pass = N <= ONE_PASS_MAX
-    BN = triton.next_power_of_2(N) if one_pass else 2048
+    BN = _pow2(N) if one_pass else 2048
     BM = max(1, min(64, 4096 // BN)) if one_pass else 1
-    _rms_norm_kernel[(triton.cdiv(M, BM),)](
+    _rms_norm_kernel[(_cdiv(M, BM),)](
         x, z, residual, weight, y, s, M, N, float(eps),
         BM=BM, BN=BN, ONE_PASS=one_pass, GATED=gated, ZERO_CENTERED=zero_centered,
         RESIDUAL=residual is not None, num_warps=8 if BN * BM >= 4096 else 4)

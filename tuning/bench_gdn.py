@@ -261,7 +261,9 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
         meta = kt.prepare_gdn_metadata(d["cu"])
         variants = [("scan", {"BV": bv, "num_warps": w, "num_stages": s})
                     for bv in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
-        variants += [("prepare", {"num_warps": w, "num_stages": 1}) for w in (4, 8)]
+        # prepare is occupancy-bound (255 registers: 2 CTAs/SM); capping registers trades spills for CTAs.
+        variants += [("prepare", {"num_warps": w, "num_stages": 1, **({"maxnreg": r} if r else {})})
+                     for w, r in ((4, None), (8, None), (4, 168), (4, 128))]
         for phase, cfg in variants:
             if time.time() > deadline:
                 print("sweep: deadline reached", flush=True)

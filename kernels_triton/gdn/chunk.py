@@ -142,6 +142,13 @@ def _inv_l2(x, L2: tl.constexpr):
 
 
 @triton.jit
+def _workspace(ws_ptr, T, HV, K: tl.constexpr, V: tl.constexpr):
+    """W ``[HV, T, K]``, U ``[HV, T, V]`` and Aqk ``[HV, T, C]`` live back to back in one allocation."""
+    head_major = HV.to(tl.int64) * T
+    return ws_ptr, ws_ptr + head_major * K, ws_ptr + head_major * (K + V)
+
+
+@triton.jit
 def _unit_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr):
     """``(I + A)^-1`` for a strictly lower-triangular fp32 ``[C, C]`` tile (C in 16, 32, 64).
 
@@ -174,7 +181,7 @@ def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr,
     g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     bounds_ptr,
-    w_ptr, u_ptr, aqk_ptr, gcum_ptr,
+    ws_ptr, gcum_ptr,
     T, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
@@ -193,7 +200,8 @@ def _chunk_prepare_kernel(
         rows = tl.arange(0, C)
         t = (start + rows).to(tl.int64)
         tmask = t < end
-        ws_dtype = w_ptr.dtype.element_ty  # workspace and dot-operand dtype
+        w_ptr, u_ptr, aqk_ptr = _workspace(ws_ptr, T, HV, K, V)
+        ws_dtype = ws_ptr.dtype.element_ty  # workspace and dot-operand dtype
 
         g, beta = _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV, RAW_GATING)
         g = tl.cumsum(g, axis=0)  # chunk-local cumulative log-decay
@@ -229,7 +237,7 @@ def _chunk_prepare_kernel(
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _chunk_scan_kernel(
-    q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr,
+    q_ptr, k_ptr, ws_ptr, gcum_ptr, o_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
     T, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
@@ -248,7 +256,8 @@ def _chunk_scan_kernel(
     else:
         seq_start = tl.zeros((), dtype=tl.int64)
         seq_end = seq_start + T
-    ws_dtype = w_ptr.dtype.element_ty
+    w_ptr, u_ptr, aqk_ptr = _workspace(ws_ptr, T, HV, K, V)
+    ws_dtype = ws_ptr.dtype.element_ty
 
     kcols = tl.arange(0, BK)
     vcols = vb * BV + tl.arange(0, BV)
@@ -306,7 +315,12 @@ def _chunk_scan_kernel(
 
 
 def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
+    """Next power of two >= n (at least ``lo``); plain Python: triton.next_power_of_2 costs ~5 us a call."""
+    return max(lo, 1 << max(n - 1, 0).bit_length())
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def check_head_dims(K: int, V: int) -> None:
@@ -340,17 +354,24 @@ def workspace_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dty
 
 
 def _scan_config(device: torch.device, N: int, HV: int, V: int, T: int, dtype: torch.dtype) -> dict:
-    """Phase-2 launch config: tuned file entry if present, else enough V blocks to fill the device."""
-    name, sms, _ = device_facts(device)
-    if device.type == "cuda":
-        tuned = _config.lookup("gdn_chunk_scan", name, f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}",
-                               tokens=T // max(N, 1))
-        if tuned:
-            return dict(tuned)
-    BV = min(64, _pow2(V))
-    while BV > 16 and N * HV * triton.cdiv(V, BV) < 2 * sms:
-        BV //= 2
-    return {"BV": BV, "num_warps": 4, "num_stages": 2}
+    """Phase-2 launch config: a tuned file entry if present, else the heuristic below.
+
+    From the H200 sweep (tuning/results/gdn_sweep_nvidia_h200.json): 64-wide V blocks win whenever
+    there are >= 32 (sequence, head) pairs, even with fewer programs than SMs (48 pairs: BV 64
+    1.19 ms, 32: 1.56, 16: 2.31); with few pairs (TP8, one sequence) more, narrower blocks win
+    (8 pairs: BV 16 1.63 ms, 32: 2.00, 64: 2.54). 4 warps always; 3 stages for long sequences,
+    2 for short ones.
+    """
+    if device.type != "cuda":  # the interpreter: fewest programs is fastest
+        return {"BV": _pow2(V), "num_warps": 4, "num_stages": 1}
+    per_seq = T // max(N, 1)
+    tuned = _config.lookup("gdn_chunk_scan", device_facts(device)[0],
+                           f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}", tokens=per_seq)
+    if tuned:
+        return dict(tuned)
+    pairs = N * HV
+    BV = min(_pow2(V), 64 if pairs >= 32 else 32 if pairs >= 16 else 16)
+    return {"BV": BV, "num_warps": 4, "num_stages": 3 if per_seq >= 8192 else 2}
 
 
 def _prepare_config(device: torch.device) -> dict:
@@ -401,9 +422,7 @@ def gdn_chunk_prefill(
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
 
     # Phase 1: everything that does not need the running state, all chunks in parallel.
-    w = torch.empty(HV, T, K, dtype=ws_dtype, device=dev)
-    u = torch.empty(HV, T, V, dtype=ws_dtype, device=dev)
-    aqk = torch.empty(HV, T, CHUNK, dtype=ws_dtype, device=dev)
+    ws = torch.empty(HV * T * (K + V + CHUNK), dtype=ws_dtype, device=dev)  # W, U, Aqk (see _workspace)
     gcum = torch.empty(HV, T, dtype=torch.float32, device=dev)
     if varlen:
         if isinstance(metadata, GdnChunkMetadata):
@@ -416,11 +435,11 @@ def gdn_chunk_prefill(
         else:
             raise ValueError(f"metadata must come from kernels_triton.prepare_gdn_metadata, got {type(metadata)}")
     else:
-        bounds, num_chunks = None, triton.cdiv(T, CHUNK)
+        bounds, num_chunks = None, _cdiv(T, CHUNK)
     raw = a is not None
     if num_chunks > 0 and T > 0:
         _chunk_prepare_kernel[(num_chunks, HV)](
-            q, k, v, g, beta, a, b, A_log, dt_bias, bounds, w, u, aqk, gcum, T, scale,
+            q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, gcum, T, scale,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV_full, C=CHUNK,
             VARLEN=varlen, RAW_GATING=raw, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec,
             **(prepare_config or _prepare_config(dev)))
@@ -438,8 +457,8 @@ def gdn_chunk_prefill(
     if N > 0:
         cfg = dict(scan_config or _scan_config(dev, N, HV, V, T, q.dtype))
         BV = cfg.pop("BV")
-        _chunk_scan_kernel[(triton.cdiv(V, BV), N * HV)](
-            q, k, w, u, aqk, gcum, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T, scale,
+        _chunk_scan_kernel[(_cdiv(V, BV), N * HV)](
+            q, k, ws, gcum, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T, scale,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=CHUNK,
             VARLEN=varlen, STATE_IN=h0 is not None, STATE_OUT=ht is not None, POOL=pool,
             HAS_INIT_FLAGS=has_initial_state is not None, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec, **cfg)
