@@ -182,3 +182,65 @@ def test_facade_forced_triton_selftests_and_runs(fresh_probe, monkeypatch):
                                     output_final_state=True, use_qk_l2norm=True)
     assert_close(o, ro, TOL[torch.float32], "façade output")
     assert_close(ht, rht, TOL[torch.float32], "façade final state")
+
+
+# ----------------------------------------------------------------------------- the Hopper build, on a CPU
+
+_HOPPER_BUILD = r'''
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels_triton import conv1d, norms
+from kernels_triton.gdn import chunk, recurrent
+
+def sm90(kernel, consts, dtypes, warps=4, stages=2):
+    """Compile for sm_90 with every pointer 16-byte aligned (as at run time); other ints i32, floats fp32."""
+    names = kernel.arg_names
+    plain = {n: "*i32" if n.endswith("_ptr") else "fp32" if n in ("scale", "eps") else "i32" for n in names}
+    sig = {n: "constexpr" if n in consts else dtypes.get(n, plain[n]) for n in names}
+    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n == "D"}
+    fixed = {(names.index(n),): v for n, v in consts.items()}
+    src = ASTSource(fn=kernel, signature=sig, constexprs=fixed, attrs=aligned)
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+act = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "o_ptr", "ws_ptr", "x_ptr", "y_ptr",
+                            "z_ptr", "w_ptr", "bias_ptr", "res_ptr", "s_ptr", "pool_ptr")}
+act.update({n: "*fp32" for n in ("A_log_ptr", "dt_bias_ptr", "gcum_ptr", "h0_ptr", "ht_ptr")}, has_init_ptr="*i1")
+dims = dict(K=128, V=128, BK=128, C=64, USE_L2=True)
+sm90(chunk._chunk_prepare_kernel, dict(dims, BV=128, VARLEN=True, RAW_GATING=True, DOT_PREC="tf32",
+                                       g_ptr=None, beta_ptr=None), act, stages=1)
+for bv, stages in ((64, 3), (16, 3)):
+    sm90(chunk._chunk_scan_kernel, dict(dims, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
+                                        HAS_INIT_FLAGS=True, DOT_PREC="tf32"), act, stages=stages)
+fp16 = dict(act, q_ptr="*fp16", k_ptr="*fp16", o_ptr="*fp16", ws_ptr="*fp32")
+sm90(chunk._chunk_scan_kernel, dict(dims, BV=32, VARLEN=False, STATE_IN=False, STATE_OUT=True, POOL=False,
+                                    HAS_INIT_FLAGS=False, DOT_PREC="tf32", cu_ptr=None, h0_ptr=None,
+                                    slots_ptr=None, has_init_ptr=None), fp16)
+sm90(recurrent._recurrent_step_kernel, dict(T=2, K=128, V=128, BK=128, BV=64, RAW_GATING=True, USE_L2=True,
+                                            g_ptr=None, beta_ptr=None), dict(act, pool_ptr="*fp32"), warps=4)
+sm90(conv1d._conv_prefill_kernel, dict(W=4, BT=16, BD=128, SEARCH_STEPS=6, VARLEN=True, SKIP_HEADS=True,
+                                       HAS_BIAS=True, SILU=True), act)
+sm90(conv1d._conv_head_kernel, dict(W=4, BD=128, BH=4, VARLEN=True, HAS_INIT_FLAGS=True, HAS_BIAS=True, SILU=True),
+     act)
+sm90(conv1d._conv_update_kernel, dict(W=4, BD=256, BW=4, HAS_BIAS=True, SILU=True), act)
+sm90(norms._rms_norm_kernel, dict(BM=32, BN=128, ONE_PASS=True, GATED=True, ZERO_CENTERED=False, RESIDUAL=False,
+                                  res_ptr=None, s_ptr=None), act, warps=8)
+sm90(norms._rms_norm_kernel, dict(BM=1, BN=2048, ONE_PASS=False, GATED=False, ZERO_CENTERED=True, RESIDUAL=True,
+                                  z_ptr=None), act, warps=8)
+print("built")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels for real")
+def test_kernels_build_for_hopper():
+    """GDN, conv and norm kernels compile to sm_90 code with Triton's bundled ptxas, no GPU needed
+    (the interpreter checks numbers; this checks layouts, dot shapes and register allocation)."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
