@@ -8,6 +8,9 @@ server's own usage (prompt, completion and — when the server reports
 - open loop (`rate=R`): requests start at Poisson arrival times, R per second on average,
   regardless of how many are still running.
 
+TTFT is the time to the first chunk with output (text, reasoning or a tool call); ITL the gaps
+between such chunks, so a server that batches several tokens per chunk shows fewer, longer gaps.
+
 Without `duration` each request of the set is sent once; with it the set is cycled until
 `duration` seconds have passed (requests already started still finish and count).
 
@@ -42,7 +45,8 @@ class RequestRecord:
     start: float = 0.0
     end: float = 0.0
     ttft: float | None = None
-    """Seconds to the first chunk carrying text, reasoning or a tool call."""
+    """Seconds to the first chunk carrying text, reasoning or a tool call — or, for a reply whose
+    tokens were all hidden (e.g. swallowed markup), to the chunk with its finish_reason."""
     itl: list[float] = field(default_factory=list)
     """Gaps between successive chunks carrying output."""
     prompt_tokens: int = 0
@@ -131,6 +135,8 @@ async def _send(client: httpx.AsyncClient, url: str, headers: dict, body: dict, 
                         record.output_chunks += 1
                     if choice.get("finish_reason") is not None:
                         record.finish_reason = choice["finish_reason"]
+                        if record.ttft is None:
+                            record.ttft = now - record.start
                 usage = chunk.get("usage")
                 if usage:
                     record.usage_reported = True
