@@ -86,6 +86,22 @@ def test_prefill_initial_state_tensor_and_final(decay):
     assert ht.dtype == torch.float32
 
 
+def test_prefill_diagonal_inverse_by_product_variant():
+    """The tuning variant that inverts the 16-row diagonal blocks by the finite series agrees with the reference,
+    also for strongly correlated keys (all-positive, as after the conv's SiLU) and weak decay."""
+    lens, H, HV, K, V = [130, 7], 1, 2, 32, 32
+    d = _inputs(lens, H, HV, K, V, torch.float32, raw=False, decay="weak")
+    d["k"] = d["k"].abs() + 0.5
+    cu = cu_from_lens(lens, DEV)
+    cfg = {"num_warps": 4, "num_stages": 1, "DIAG_BY_PRODUCT": True}
+    o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True,
+                                 prepare_config=cfg)
+    ro, rht = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(),
+                                    output_final_state=True, use_qk_l2norm=True)
+    assert_close(o, ro, TOL[torch.float32], "output")
+    assert_close(ht, rht, TOL[torch.float32], "final state")
+
+
 def test_prefill_single_sequence_no_state_and_metadata():
     """cu_seqlens=None; and with cu_seqlens the result is the same with or without prepared metadata."""
     T, H, HV, K, V = 150, 2, 2, 32, 32
@@ -207,8 +223,10 @@ act = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "o_ptr"
                             "z_ptr", "w_ptr", "bias_ptr", "res_ptr", "s_ptr", "pool_ptr")}
 act.update({n: "*fp32" for n in ("A_log_ptr", "dt_bias_ptr", "gcum_ptr", "h0_ptr", "ht_ptr")}, has_init_ptr="*i1")
 dims = dict(K=128, V=128, BK=128, C=64, USE_L2=True)
-sm90(chunk._chunk_prepare_kernel, dict(dims, BV=128, VARLEN=True, RAW_GATING=True, DOT_PREC="tf32",
-                                       g_ptr=None, beta_ptr=None), act, stages=1)
+for by_product in (False, True):
+    sm90(chunk._chunk_prepare_kernel, dict(dims, BV=128, VARLEN=True, RAW_GATING=True, DOT_PREC="tf32",
+                                           EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=by_product, g_ptr=None,
+                                           beta_ptr=None), act, stages=1)
 for bv, stages in ((64, 3), (16, 3)):
     sm90(chunk._chunk_scan_kernel, dict(dims, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
                                         HAS_INIT_FLAGS=True, DOT_PREC="tf32"), act, stages=stages)

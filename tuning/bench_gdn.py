@@ -262,8 +262,11 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
         variants = [("scan", {"BV": bv, "num_warps": w, "num_stages": s})
                     for bv in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
         # prepare is occupancy-bound (255 registers: 2 CTAs/SM); capping registers trades spills for CTAs.
-        variants += [("prepare", {"num_warps": w, "num_stages": 1, **({"maxnreg": r} if r else {})})
-                     for w, r in ((4, None), (8, None), (4, 168), (4, 128))]
+        # The 16-row diagonal inverse by substitution (default) or by the finite series (fewer barriers).
+        variants += [("prepare", {"num_warps": w, "num_stages": 1, **({"maxnreg": r} if r else {}),
+                                  **({"DIAG_BY_PRODUCT": True} if product else {})})
+                     for w, r, product in ((4, None, False), (8, None, False), (4, 168, False), (4, 128, False),
+                                           (4, None, True), (4, 168, True))]
         for phase, cfg in variants:
             if time.time() > deadline:
                 print("sweep: deadline reached", flush=True)

@@ -149,23 +149,35 @@ def _workspace(ws_ptr, T, HV, K: tl.constexpr, V: tl.constexpr):
 
 
 @triton.jit
-def _unit_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr):
+def _unit_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr,
+                        EXACT_PREC: tl.constexpr):
     """``(I + A)^-1`` for a strictly lower-triangular fp32 ``[C, C]`` tile (C in 16, 32, 64).
 
-    Diagonal 16x16 blocks by column-oriented forward substitution (all four at once), then
-    block merges ``T_21 = -T_22 A_21 T_11`` at 16 -> 32 and 32 -> 64 with two dots each.
+    Diagonal 16x16 blocks first, all four at once: by column-oriented forward substitution (15
+    dependent steps, each a cross-warp reduction), or with ``DIAG_BY_PRODUCT`` by the exact finite
+    series ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` (N^16 = 0 for 16-row blocks: six
+    dependent dots, run at fp32 accuracy with ``EXACT_PREC``). Then block merges
+    ``T_21 = -T_22 A_21 T_11`` at 16 -> 32 and 32 -> 64 with two dots each.
     """
     rows = tl.arange(0, C)
     i = rows[:, None]
     j = rows[None, :]
     same16 = (i // 16) == (j // 16)
-    X = tl.where(i == j, 1.0, 0.0)
+    eye = tl.where(i == j, 1.0, 0.0)
     Ad = tl.where(same16, A, 0.0)
-    for p in tl.static_range(15):
-        # Column p of each block is final in X's row (block start + p); subtract it from later rows.
-        a_col = tl.sum(tl.where(j == (i // 16) * 16 + p, Ad, 0.0), axis=1)  # A[i, block(i) + p]
-        x_row = tl.sum(tl.where(i == (j // 16) * 16 + p, X, 0.0), axis=0)  # X[block(c) + p, c]
-        X = X - tl.where(same16 & ((i % 16) > p), a_col[:, None] * x_row[None, :], 0.0)
+    if DIAG_BY_PRODUCT:
+        N2 = tl.dot(Ad, Ad, input_precision=EXACT_PREC)
+        N4 = tl.dot(N2, N2, input_precision=EXACT_PREC)
+        X = tl.dot(eye - Ad, eye + N2, input_precision=EXACT_PREC)
+        X = tl.dot(X, eye + N4, input_precision=EXACT_PREC)
+        X = tl.dot(X, eye + tl.dot(N4, N4, input_precision=EXACT_PREC), input_precision=EXACT_PREC)
+    else:
+        X = eye
+        for p in tl.static_range(15):
+            # Column p of each block is final in X's row (block start + p); subtract it from later rows.
+            a_col = tl.sum(tl.where(j == (i // 16) * 16 + p, Ad, 0.0), axis=1)  # A[i, block(i) + p]
+            x_row = tl.sum(tl.where(i == (j // 16) * 16 + p, X, 0.0), axis=0)  # X[block(c) + p, c]
+            X = X - tl.where(same16 & ((i % 16) > p), a_col[:, None] * x_row[None, :], 0.0)
     if C > 16:
         same32 = (i // 32) == (j // 32)
         P = tl.dot(tl.where(same32 & (i // 16 != j // 16), A, 0.0), X, input_precision=DOT_PREC)
@@ -186,6 +198,7 @@ def _chunk_prepare_kernel(
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
+    EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False,
 ):
     chunk = tl.program_id(0)
     hv = tl.program_id(1)
@@ -220,7 +233,7 @@ def _chunk_prepare_kernel(
 
         A = tl.dot(k, tl.trans(k), input_precision=DOT_PREC)
         A = tl.where(i > j, A * ((beta * rk)[:, None] * rk[None, :]) * gamma, 0.0)
-        Tinv = _unit_lower_inverse(A, C, DOT_PREC)
+        Tinv = _unit_lower_inverse(A, C, DOT_PREC, DIAG_BY_PRODUCT, EXACT_PREC)
 
         # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V: the diagonals scale T's columns.
         kcols = tl.arange(0, BK)
@@ -404,8 +417,9 @@ def gdn_chunk_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton implementation of :func:`qwen35.ops.gdn_chunk_prefill` (see the module docstring).
 
-    ``prepare_config`` (``num_warps``, ``num_stages``) and ``scan_config`` (``BV``, ``num_warps``,
-    ``num_stages``) override the launch configs of the two phases; the benchmark times variants with them.
+    ``prepare_config`` (``num_warps``, ``num_stages``, optionally ``maxnreg`` and ``DIAG_BY_PRODUCT``)
+    and ``scan_config`` (``BV``, ``num_warps``, ``num_stages``) override the launch configs of the two
+    phases; the benchmark times variants with them.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -442,6 +456,7 @@ def gdn_chunk_prefill(
             q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, gcum, T, scale,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV_full, C=CHUNK,
             VARLEN=varlen, RAW_GATING=raw, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec,
+            EXACT_PREC="tf32x3" if device_facts(dev)[2] >= (8, 0) else "ieee",
             **(prepare_config or _prepare_config(dev)))
 
     # Phase 2: the sequential pass over chunks, state in registers, output and final state written.

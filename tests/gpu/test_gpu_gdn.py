@@ -102,6 +102,22 @@ def test_prefill_decay_extremes_initial_state(decay):
     assert_close(ht, rht, TOL[torch.float32], f"final state, {decay} decay")
 
 
+@pytest.mark.parametrize("by_product", [False, True])
+def test_prefill_diagonal_inverse_variants_correlated_keys(by_product):
+    """Both ways of inverting the 16-row diagonal blocks, with all-positive keys (as after the conv's
+    SiLU: strongly correlated, the hard case for the inverse) and weak decay."""
+    lens, H, HV, K, V = [8192, 777], 4, 12, 128, 128
+    d = _gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, raw=False, decay="weak", seed=19)
+    d["k"] = d["k"].abs() + 0.5
+    cu = cu_from_lens(lens, DEV)
+    cfg = {"num_warps": 4, "num_stages": 1, "DIAG_BY_PRODUCT": by_product}
+    o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True,
+                                 prepare_config=cfg)
+    ro, rht = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True)
+    assert_close(o, ro, TOL[torch.bfloat16], "output")
+    assert_close(ht, rht, TOL[torch.bfloat16], "final state")
+
+
 def test_continuation_across_calls_then_decode():
     """One 10004-token sequence fed as prefill 3000 + 1 + 6999 then a 4-token decode step == one pass."""
     T, H, HV, K, V = 10004, 4, 12, 128, 128
