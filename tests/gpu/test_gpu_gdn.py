@@ -227,3 +227,11 @@ def test_norms_real_sizes(dtype):
     y, s = kt.rms_norm_zero_centered(x, w.to(dtype), 1e-6, r)
     assert torch.equal(s, x + r)
     assert_close(y, ref.rms_norm_zero_centered(s.double(), w.to(dtype).double()), tol, "zero-centred + residual")
+
+
+def test_probe_picks_triton_for_gdn_conv_norm_ops(fresh_probe):
+    """On an sm80+ NVIDIA GPU the policy puts triton first; each op must compile and pass its self-test."""
+    for op in ("gdn_chunk_prefill", "gdn_recurrent_step", "causal_conv1d_prefill", "causal_conv1d_update",
+               "rms_norm_gated", "rms_norm_zero_centered"):
+        choice = fresh_probe.choose(op, DEV)
+        assert choice.backend == "triton", f"{op}: {choice.reason}"
