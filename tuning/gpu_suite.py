@@ -2,6 +2,7 @@
 
     python -m tuning.gpu_suite --out $OUT            # everything
     python -m tuning.gpu_suite --out $OUT --only tests,gdn --quick
+    python -m tuning.gpu_suite --out $OUT --budget 540 --part-args "gdn=--quick --fla-deadline 60"
 
 Parts: ``probe`` (qwen35-probe --json), ``tests`` (pytest -m gpu), ``gdn``, ``moe``, ``model``
 (the benchmarks in tuning/bench_*.py). Each part runs in its own subprocess so one crash does
@@ -24,16 +25,20 @@ from pathlib import Path
 PARTS = ("probe", "tests", "gdn", "moe", "model")
 
 
-def _command(part: str, out: Path, quick: bool) -> list[str] | None:
+# GPU-marked tests live here; other test modules may import CPU-only stacks (vLLM) at collection.
+GPU_TEST_PATHS = ("tests/gpu", "tests/test_standalone.py")
+
+
+def _command(part: str, out: Path, quick: bool, extra: list[str]) -> list[str] | None:
     py = sys.executable
     if part == "probe":
         return [py, "-m", "qwen35.probe", "--json"]
     if part == "tests":
-        return [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests"]
+        return [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TEST_PATHS, *extra]
     module = f"tuning.bench_{part}"
     if importlib.util.find_spec(module) is None:
         return None
-    return [py, "-m", module, "--out", str(out)] + (["--quick"] if quick else [])
+    return [py, "-m", module, "--out", str(out)] + (["--quick"] if quick else []) + extra
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +47,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
     ap.add_argument("--quick", action="store_true", help="benchmarks run their reduced shape sets")
     ap.add_argument("--part-timeout", type=int, default=540, help="seconds per part before it is killed")
+    ap.add_argument("--budget", type=int, default=None, help="seconds for the whole suite (later parts get the rest)")
+    ap.add_argument("--part-args", nargs="*", default=[], metavar="PART=ARGS",
+                    help='extra arguments for one part, e.g. "gdn=--quick --no-fla" "tests=-n 4"')
     args = ap.parse_args(argv)
+    extra = {}
+    for item in args.part_args:
+        name, _, rest = item.partition("=")
+        if name not in PARTS or not _:
+            ap.error(f"--part-args {item!r}: expected PART=ARGS with PART in {', '.join(PARTS)}")
+        extra[name] = rest.split()
+    start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     parts = [p for p in args.only.split(",") if p]
@@ -52,16 +67,22 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     summary = []
     for part in parts:
-        cmd = _command(part, out, args.quick)
+        cmd = _command(part, out, args.quick, extra.get(part, []))
         if cmd is None:
             summary.append({"part": part, "status": "skipped (module absent)", "seconds": 0.0})
             continue
         t0 = time.time()
+        limit = args.part_timeout
+        if args.budget is not None:
+            limit = int(min(limit, args.budget - (t0 - start)))
+            if limit < 10:
+                summary.append({"part": part, "status": "skipped (suite budget spent)", "seconds": 0.0})
+                continue
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.part_timeout, env=env)
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=limit, env=env)
             status, text = ("ok" if proc.returncode == 0 else f"exit {proc.returncode}"), proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as e:
-            status = f"timeout after {args.part_timeout}s"
+            status = f"timeout after {limit}s"
             text = (e.stdout or b"").decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
         secs = time.time() - t0
         if part == "probe" and status == "ok":
