@@ -1,8 +1,11 @@
-"""Real servers for the serving tests: vLLM's OpenAI server on a tiny checkpoint, and a broken stub.
+"""Real servers for the serving tests: vLLM's OpenAI server on a tiny checkpoint, `qwen35-serve`, and
+a broken stub.
 
 - `start_vllm_server()` runs vLLM's OpenAI server as a subprocess (its own process group) on a free
   loopback port with the settings vLLM's CPU engine needs, waits for `/health`, and `stop()` tears
   the whole group down.
+- `start_qwen35_serve()` runs our `qwen35-serve` console script the same way (it applies the CPU
+  settings itself, so it gets only a port, a key and whatever else the test passes).
 - `BrokenProxy` is an OpenAI endpoint for the conformance tests that forwards to a real server and
   injects three deliberate faults: the streamed usage chunk over-counts completion tokens by one,
   the matched stop string is appended to the text, and any request with `n > 1` gets HTTP 500.
@@ -95,21 +98,47 @@ def start_vllm_server(
         *extra_args,
     ]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    return _start(command, env, port, api_key, SERVED_NAME, startup_timeout)
+
+
+def _start(command: list[str], env: dict, port: int, api_key: str | None, model: str, timeout: float) -> ServerProcess:
+    """Start `command` in its own process group, logging to a temp file, and wait for `/health`."""
     log = tempfile.NamedTemporaryFile(prefix="vllm-server-", suffix=".log", delete=False)
     process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = ServerProcess(f"http://127.0.0.1:{port}/v1", api_key, SERVED_NAME, process, Path(log.name))
-    deadline = time.monotonic() + startup_timeout
+    server = ServerProcess(f"http://127.0.0.1:{port}/v1", api_key, model, process, Path(log.name))
+    deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"vLLM server exited with {process.returncode}:\n{server.log_tail()}")
+            raise RuntimeError(f"server exited with {process.returncode}:\n{server.log_tail()}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
                 return server
         except httpx.HTTPError:
             pass
-        time.sleep(1.0)
+        time.sleep(0.5)
     server.stop()
-    raise RuntimeError(f"vLLM server not healthy after {startup_timeout:.0f} s:\n{server.log_tail()}")
+    raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{server.log_tail()}")
+
+
+QWEN35_SERVED_NAME = "qwen35-tiny"
+
+
+def qwen35_serve_command() -> list[str]:
+    """The installed `qwen35-serve` console script (beside this interpreter), else the module."""
+    script = Path(sys.executable).with_name("qwen35-serve")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "serve.launcher"]
+
+
+def start_qwen35_serve(
+    *args: str, api_key: str | None = API_KEY, startup_timeout: float = 240.0, env: dict | None = None
+) -> ServerProcess:
+    """`qwen35-serve ARGS --host 127.0.0.1 --port <free> [--api-key KEY]` on the embedded model unless
+    ARGS name another; the served name is the embedded default's unless ARGS change it."""
+    port = free_port()
+    command = [*qwen35_serve_command(), *args, "--host", "127.0.0.1", "--port", str(port),
+               *(["--api-key", api_key] if api_key else [])]  # fmt: skip
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
+    return _start(command, env, port, api_key, QWEN35_SERVED_NAME, startup_timeout)
 
 
 _SHARED: ServerProcess | None = None
@@ -120,13 +149,14 @@ def vllm_available() -> bool:
 
 
 def shared_vllm_server() -> ServerProcess:
-    """One vLLM server on the embedded tiny Qwen3 checkpoint for the whole test process (start-up is
-    about 30 s on two cores); stopped at interpreter exit."""
+    """One vLLM server on the embedded tiny Qwen3 checkpoint (vLLM's own model class, no plugin in the
+    path: the baseline) for the whole test process (start-up is about 30 s on two cores); stopped at
+    interpreter exit."""
     global _SHARED
     if _SHARED is None or _SHARED.process.poll() is not None:
         from serve.embedded.checkpoint import ensure_checkpoint
 
-        _SHARED = start_vllm_server(ensure_checkpoint())
+        _SHARED = start_vllm_server(ensure_checkpoint("Qwen3ForCausalLM"))
         atexit.register(_SHARED.stop)
     return _SHARED
 

@@ -8,9 +8,9 @@ of everything that determines its bytes, so a changed writer, tokenizer or templ
 directory and an unchanged one is reused.
 
 The architecture is pluggable: an `ArchitectureWriter` says how to write `config.json` and the
-weights for one architecture. Registered here: `Qwen3ForCausalLM` (built into vLLM; the default
-while our Qwen3.5 plugin is not in the serving path) and `Qwen3_5ForCausalLM` (from `qwen35.tiny`;
-switch `DEFAULT_ARCHITECTURE` to it once `qwen35-serve` loads the plugin). Others can be added with
+weights for one architecture. Registered here: `Qwen3_5ForCausalLM` (from `qwen35.tiny`, served
+through our vLLM plugin; the default, what `qwen35-serve` serves with no model given) and
+`Qwen3ForCausalLM` (built into vLLM; a baseline for testing vLLM without our plugin). Others can be added with
 `register_architecture()` or named as `"package.module:ATTRIBUTE"`, imported on first use.
 """
 
@@ -32,7 +32,7 @@ import torch
 from serve.embedded.tokenizer import CONTROL_TOKENS, EOS_TOKEN, PAD_TOKEN, tokenizer_config, train_tokenizer
 
 TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
-DEFAULT_ARCHITECTURE = "Qwen3ForCausalLM"
+DEFAULT_ARCHITECTURE = "Qwen3_5ForCausalLM"
 DEFAULT_MAX_POSITION = 4096
 CACHE_ENV = "QWEN35_CACHE_DIR"
 

@@ -1,0 +1,221 @@
+"""`qwen35-serve`: vLLM's OpenAI-compatible server, in this process, with qwen35's model and fixes.
+
+    qwen35-serve [CONFIG.yaml] [--model PATH] [--port N] [--KEY VALUE ...] [-- EXTRA VLLM ARGS]
+
+Every key of `serve.config.OPTIONS` is also a command-line override (`--max-model-len 8192`,
+`--enforce-eager` / `--no-enforce-eager`); overrides win over the file. What it does:
+
+1. checks the config (unknown keys, wrong types: exit 2 with a message, before anything heavy);
+2. with no model, builds once (cached on disk) the embedded tiny Qwen3.5 checkpoint and serves it;
+3. fills unset keys with Qwen3.5's serving defaults and, on a CPU host, the CPU engine's settings
+   (eager mode, a KV cache size, thread binding for tensor parallelism);
+4. hands the result to vLLM's own argument parser and `vllm serve` code path, with
+   `serve.middleware.RequestCompatMiddleware` added to the app. The model class comes from our
+   vLLM plugin (entry point `vllm.general_plugins: qwen35`), which logs the kernel probe once.
+
+`--dry-run` prints the resolved settings and vLLM's arguments as JSON and exits.
+
+This module is a vLLM host: it imports vLLM, but only after the config has been checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+from serve.config import (
+    BOOL,
+    MAPPING,
+    OPTIONS,
+    QWEN35_DEFAULTS,
+    STR,
+    STR_LIST,
+    STRS,
+    ConfigError,
+    check_value,
+    load_file,
+    resolve,
+    vllm_argv,
+)
+
+MIDDLEWARE = "serve.middleware.RequestCompatMiddleware"
+COMPAT_KEYS = ("max_n", "thinking_off_with_tools", "text_only", "max_request_bytes")
+CPU_KV_CACHE = "4G"
+
+# The embedded model is a random toy: compact JSON under grammars (it would pad with whitespace
+# forever), float32 (bf16 logits tie at the top, which makes greedy and top_k=1 disagree), and a
+# small KV cache on any host.
+EMBEDDED_DEFAULTS: dict[str, object] = {
+    "served_model_name": "qwen35-tiny",
+    "dtype": "float32",
+    "max_model_len": 4096,
+    "kv_cache_memory_bytes": "1G",
+    "enable_prefix_caching": True,
+    "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+}
+
+log = logging.getLogger("vllm.qwen35.serve")
+
+
+# -- command line --------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="qwen35-serve",
+        description="Serve a Qwen3.5 model (default: the embedded tiny one) with vLLM's OpenAI-compatible server.",
+        epilog="Config keys (also overrides, as --key-name): " + ", ".join(sorted(OPTIONS)),
+    )
+    parser.add_argument("config", nargs="?", help="YAML config file (keys mirror vLLM's options)")
+    parser.add_argument("--dry-run", action="store_true", help="print the resolved settings and vLLM's arguments")
+    group = parser.add_argument_group("overrides (win over the config file)")
+    for option in OPTIONS.values():
+        if option.kind is BOOL:
+            group.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction, default=None,
+                               help=option.help)  # fmt: skip
+        elif option.kind in (STRS, STR_LIST):
+            group.add_argument(option.flag, dest=option.name, nargs="+", default=None, help=option.help)
+        else:
+            group.add_argument(option.flag, dest=option.name, default=None, metavar="VALUE", help=option.help)
+    return parser
+
+
+def parse_override(name: str, text: object) -> object:
+    """A command-line value for option `name`: strings stay strings, the rest is read as YAML."""
+    import yaml
+
+    option = OPTIONS[name]
+    if option.kind in (STR, BOOL, STRS, STR_LIST) or not isinstance(text, str):
+        value = text
+    else:
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        if option.kind is MAPPING and isinstance(value, str):
+            raise ConfigError(f"option {option.flag}: expected a mapping (JSON or YAML), got {text!r}")
+    check_value(name, value, "option")
+    return value
+
+
+def split_argv(argv: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Our arguments, and what follows a bare `--` (passed to vLLM verbatim)."""
+    argv = list(argv)
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
+
+
+# -- settings ------------------------------------------------------------------------------------
+
+
+def embedded_checkpoint() -> str:
+    from serve.embedded.checkpoint import DEFAULT_ARCHITECTURE, ensure_checkpoint
+
+    return str(ensure_checkpoint(DEFAULT_ARCHITECTURE))
+
+
+def cpu_defaults(settings: dict) -> tuple[dict, dict[str, str]]:
+    """Settings and environment the CPU engine needs, for keys the user left unset.
+
+    Eager mode (torch.compile costs most of a CPU start-up), a fixed KV cache size (the CPU engine
+    otherwise takes a share of the machine's memory), and, for tensor parallelism, the cores each
+    rank binds its OpenMP threads to (vLLM's 'auto' needs one NUMA node per rank).
+    """
+    layer: dict = {"enforce_eager": True}
+    env: dict[str, str] = {}
+    if "kv_cache_memory_bytes" not in settings and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+        layer["kv_cache_memory_bytes"] = CPU_KV_CACHE
+    tp = int(settings.get("tensor_parallel_size", 1))
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cores = sorted(os.sched_getaffinity(0))
+        per_rank = len(cores) // tp
+        if per_rank < 1:
+            raise ConfigError(f"tensor_parallel_size={tp} needs at least {tp} CPU cores, this host has {len(cores)}")
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            f"{cores[r * per_rank]}-{cores[(r + 1) * per_rank - 1]}" for r in range(tp)
+        )
+    return layer, env
+
+
+def on_cpu_host() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def plan(file_settings: dict, overrides: dict, cpu: bool | None = None) -> tuple[dict, dict[str, str]]:
+    """The resolved settings (defaults < host defaults < file < overrides) and environment to set."""
+    user = resolve(file_settings, overrides)
+    layers: list[dict] = [QWEN35_DEFAULTS]
+    embedded = "model" not in user
+    if embedded:
+        layers.append({**EMBEDDED_DEFAULTS, "model": embedded_checkpoint()})
+    env: dict[str, str] = {}
+    if cpu if cpu is not None else on_cpu_host():
+        host, env = cpu_defaults(resolve(*layers, user))
+        layers.append(host)
+    settings = resolve(*layers, user)
+    settings["middleware"] = [m for m in _as_list(settings.get("middleware")) if m != MIDDLEWARE] + [MIDDLEWARE]
+    return settings, env
+
+
+def _as_list(value: object) -> list[str]:
+    return [] if value is None else [value] if isinstance(value, str) else list(value)
+
+
+def shown(settings: dict) -> dict:
+    """Settings safe to print (keys masked)."""
+    return {k: ("***" if k == "api_key" else v) for k, v in settings.items()}
+
+
+# -- serving -------------------------------------------------------------------------------------
+
+
+def serve(settings: dict, extra_vllm_args: list[str], env: dict[str, str]) -> None:
+    """Run vLLM's OpenAI server in this process until it is stopped."""
+    os.environ.update(env)
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
+    from vllm.logger import configure_logging_from_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from serve.middleware import SETTINGS_ATTR
+
+    cli_env_setup()
+    parser = make_arg_parser(FlexibleArgumentParser(prog="qwen35-serve (vLLM arguments)"))
+    args = parser.parse_args(vllm_argv(settings) + extra_vllm_args)
+    setattr(args, SETTINGS_ATTR, {k: settings[k] for k in COMPAT_KEYS if k in settings})
+    configure_logging_from_args(args)
+    validate_parsed_serve_args(args)
+    log.info("qwen35-serve: %s", json.dumps(shown(settings), default=str))
+    ServeSubcommand.cmd(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
+    ns = build_parser().parse_args(ours)
+    try:
+        file_settings = load_file(ns.config) if ns.config else {}
+        overrides = {name: parse_override(name, getattr(ns, name)) for name in OPTIONS
+                     if getattr(ns, name) is not None}  # fmt: skip
+        settings, env = plan(file_settings, overrides)
+    except ConfigError as e:
+        print(f"qwen35-serve: {e}", file=sys.stderr)
+        return 2
+    if ns.dry_run:
+        print(json.dumps({"settings": shown(settings), "env": env,
+                          "vllm_args": vllm_argv(shown(settings)) + extra}, indent=2))  # fmt: skip
+        return 0
+    serve(settings, extra, env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
