@@ -313,3 +313,20 @@ def test_kernels_build_for_hopper():
     proc = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, cwd=root,
                           timeout=600)
     assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_configs_fit_shared_memory_for_fp32():
+    """An fp32 GEMM needs twice bf16's shared memory: the config loses stages (then BLOCK_K) until it fits.
+
+    The case is the one an H200 rejected (gate_up 64x128x64, 4 stages, fp32: 245760 B > 232448 B).
+    """
+    from kernels_triton.moe import config as cfg_mod
+
+    cfg = cfg_mod.GemmConfig(64, 128, 64, 4, 4)
+    assert cfg_mod.shared_bytes("gate_up", cfg, 4) == 245760
+    fitted = cfg_mod.fit_shared_memory("gate_up", cfg, 4, 232448)
+    assert cfg_mod.shared_bytes("gate_up", fitted, 4) <= 232448
+    assert (fitted.BLOCK_M, fitted.BLOCK_N, fitted.BLOCK_K, fitted.num_stages) == (64, 128, 64, 3)
+    assert cfg_mod.fit_shared_memory("gate_up", cfg, 2, 232448) == cfg  # bf16 fits as tuned
+    tiny = cfg_mod.fit_shared_memory("down", cfg, 4, 20000)
+    assert cfg_mod.shared_bytes("down", tiny, 4) <= 20000 and tiny.BLOCK_M == 64

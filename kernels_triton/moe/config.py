@@ -85,6 +85,36 @@ def _from_entry(entry: dict | None) -> GemmConfig | None:
     return GemmConfig(*(int(entry[k]) for k in KEYS))
 
 
+def shared_bytes(which: str, cfg: GemmConfig, elem_bytes: int) -> int:
+    """Shared memory the pipelined loads of one program need (Triton buffers num_stages - 1 tiles)."""
+    weight_tiles = 2 if which == "gate_up" else 1  # gate_up streams the gate and the up rows
+    per_stage = (cfg.BLOCK_M * cfg.BLOCK_K + weight_tiles * cfg.BLOCK_K * cfg.BLOCK_N) * elem_bytes
+    return max(cfg.num_stages - 1, 1) * per_stage
+
+
+def fit_shared_memory(which: str, cfg: GemmConfig, elem_bytes: int, limit: int | None) -> GemmConfig:
+    """Fewer stages, then a narrower BLOCK_K, until the config fits ``limit`` bytes (fp32 doubles bf16's need)."""
+    if limit is None:
+        return cfg
+    while shared_bytes(which, cfg, elem_bytes) > limit:
+        if cfg.num_stages > 2:
+            cfg = GemmConfig(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages - 1)
+        elif cfg.BLOCK_K > 16:
+            cfg = GemmConfig(cfg.BLOCK_M, cfg.BLOCK_N, cfg.BLOCK_K // 2, cfg.num_warps, cfg.num_stages)
+        elif cfg.BLOCK_N > 16:
+            cfg = GemmConfig(cfg.BLOCK_M, cfg.BLOCK_N // 2, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages)
+        else:
+            break
+    return cfg
+
+
+def _shared_limit(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", None) or getattr(props, "shared_memory_per_block", None)
+
+
 @functools.lru_cache(maxsize=4096)
 def configs(M: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype,
             device: torch.device) -> tuple[GemmConfig, GemmConfig]:
@@ -96,4 +126,5 @@ def configs(M: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype,
     down = down or heuristic("down", M, top_k, E, H, I)
     if down.BLOCK_M != up.BLOCK_M:
         down = GemmConfig(up.BLOCK_M, down.BLOCK_N, down.BLOCK_K, down.num_warps, down.num_stages)
-    return up, down
+    elem, limit = torch.empty((), dtype=dtype).element_size(), _shared_limit(device)
+    return fit_shared_memory("gate_up", up, elem, limit), fit_shared_memory("down", down, elem, limit)
