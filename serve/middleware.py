@@ -468,15 +468,19 @@ class _StripStreamedContent:
             chunk = json.loads(event[6:])
         except ValueError:
             return event + b"\n\n"
+        if not isinstance(chunk, dict) or not chunk.get("choices"):
+            return event + b"\n\n"  # usage-only and error events pass as they are
+        if not any((c.get("delta") or {}).get("content") for c in chunk["choices"]):
+            return event + b"\n\n"
         kept = []
-        for choice in chunk.get("choices") or []:
+        for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
             if delta.get("content"):
                 del delta["content"]
                 if not delta and choice.get("finish_reason") is None and not choice.get("logprobs"):
                     continue
             kept.append(choice)
-        if chunk.get("choices") and not kept and not chunk.get("usage"):
+        if not kept and not chunk.get("usage"):
             return b""
         chunk["choices"] = kept
         return b"data: " + json.dumps(chunk, ensure_ascii=False).encode() + b"\n\n"

@@ -229,20 +229,21 @@ def test_forced_tool_choice_streams_drop_markup_text():
     call_delta = {"tool_calls": [{"index": 0, "id": "t", "type": "function", "function": {"name": "get_weather"}}]}
     stream = sse(chunk({"role": "assistant", "content": ""}), chunk({"content": "<tool_call>\n"}), chunk(call_delta),
                  chunk({"tool_calls": [{"index": 0, "function": {"arguments": '{"city": "Paris"}'}}]}),
-                 chunk({"content": "</tool_call>"}), chunk({}, "tool_calls"))  # fmt: skip
+                 chunk({"content": "</tool_call>"}), chunk({}, "tool_calls"),
+                 {"error": {"message": "late"}})  # fmt: skip
     pieces = [stream[i : i + 37] for i in range(0, len(stream), 37)]  # events split across ASGI messages
     for tool_choice, stripped in [("required", True), ({"type": "function", "function": {"name": "get_weather"}}, True),
                                   ("auto", False)]:  # fmt: skip
         reply = call(Downstream(200, pieces, b"text/event-stream"), body=chat(tools=TOOLS, tool_choice=tool_choice,
                                                                               stream=True))  # fmt: skip
         events = [e for e in reply.content.split(b"\n\n") if e]
-        assert events[-1] == b"data: [DONE]"
-        deltas = [c["delta"] for e in events[:-1] for c in json.loads(e[6:])["choices"]]
+        assert events[-2:] == [b'data: {"error": {"message": "late"}}', b"data: [DONE]"], "other events pass as sent"
+        deltas = [c["delta"] for e in events[:-2] for c in json.loads(e[6:])["choices"]]
         text = "".join(d.get("content") or "" for d in deltas)
         assert (text == "") is stripped and ("<tool_call>" in text) is not stripped
         assert sum("tool_calls" in d for d in deltas) == 2 and deltas[0]["role"] == "assistant"
         if stripped:
-            assert len(events) == 5, "chunks left empty are dropped, the finish chunk is kept"
+            assert len(events) == 6, "chunks left empty are dropped, the finish chunk is kept"
 
 
 def test_schema_checker():
