@@ -151,13 +151,21 @@ def test_command_line_overrides_are_typed_by_the_schema():
         ("", ["--port", "http"], "option 'port': expected an integer, got 'http' (str)"),
     ],
 )
-def test_cli_config_errors_exit_2_before_importing_vllm(tmp_path, text, args, message):
+def test_cli_config_errors_exit_2_with_a_message(tmp_path, text, args, message):
     script = Path(sys.executable).with_name("qwen35-serve")
     command = [str(script)] if script.is_file() else [sys.executable, "-m", "serve.launcher"]
     proc = subprocess.run([*command, str(write(tmp_path, text)), *args], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
     assert proc.stderr.startswith("qwen35-serve: ")
+
+
+def test_config_errors_are_found_without_importing_vllm_or_torch(tmp_path):
+    script = ("import sys; from serve.launcher import main; "
+              f"rc = main([{str(write(tmp_path, 'max_seqs: 4'))!r}]); "
+              "print(rc, sorted(m for m in ('vllm', 'torch') if m in sys.modules))")  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split("\n")[0] == "2 []", proc.stdout + proc.stderr
 
 
 def test_example_configs_are_valid(monkeypatch):
