@@ -7,7 +7,9 @@ that name the key, the value and what was expected, so a typo never silently bec
     model: /models/Qwen3.5-27B          # omitted or null: the embedded tiny checkpoint
     tensor_parallel_size: 4
     max_model_len: 32768
-    api_key: ${never put secrets here}  # or set VLLM_API_KEY in the environment
+    max_n: 8                            # one of ours: larger n is answered 400
+
+(The API key is better left out of files: vLLM reads `VLLM_API_KEY` from the environment.)
 
 Settings are resolved in layers, each only filling keys that a later one leaves unset:
 vLLM's defaults < `QWEN35_DEFAULTS` < host defaults (`qwen35-serve` adds the embedded model's and a
