@@ -76,7 +76,7 @@ def _conv_prefill_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _conv_head_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, cu_ptr, pool_ptr, slots_ptr, has_init_ptr, T, D,
+    x_ptr, w_ptr, bias_ptr, y_ptr, cu_ptr, pool_ptr, slots_ptr, has_init_ptr, T, D, pool_slot_stride,
     W: tl.constexpr, BD: tl.constexpr, BH: tl.constexpr,
     VARLEN: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):
@@ -96,7 +96,7 @@ def _conv_head_kernel(
     use_hist = slot >= 0
     if HAS_INIT_FLAGS:
         use_hist = use_hist & (tl.load(has_init_ptr + n) != 0)
-    hist_ptrs = pool_ptr + (slot * D + d[None, :]) * (W - 1)  # [1, BD]; + column index
+    hist_ptrs = pool_ptr + slot * pool_slot_stride + d[None, :] * (W - 1)  # [1, BD]; + column index
 
     r = tl.arange(0, BH)  # row r of the sequence / column r of the history
     t = start + r
@@ -126,7 +126,7 @@ def _conv_head_kernel(
 
 @triton.jit
 def _conv_update_kernel(
-    x_ptr, w_ptr, bias_ptr, y_ptr, pool_ptr, slots_ptr, D,
+    x_ptr, w_ptr, bias_ptr, y_ptr, pool_ptr, slots_ptr, D, pool_slot_stride,
     W: tl.constexpr, BD: tl.constexpr, BW: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -137,7 +137,7 @@ def _conv_update_kernel(
         tl.store(y_ptr + row * D + d, tl.zeros((BD,), dtype=y_ptr.dtype.element_ty), mask=dmask)
     else:
         c = tl.arange(0, BW)
-        hist_ptrs = pool_ptr + (slot * D + d[:, None]) * (W - 1) + c[None, :]
+        hist_ptrs = pool_ptr + slot * pool_slot_stride + d[:, None] * (W - 1) + c[None, :]
         x = tl.load(x_ptr + row * D + d, mask=dmask, other=0.0)
         # Window = [history (W-1 columns), x]; column W-1 is the new input.
         window = tl.load(hist_ptrs, mask=dmask[:, None] & (c < W - 1)[None, :], other=0.0).to(tl.float32)
@@ -194,7 +194,7 @@ def causal_conv1d_prefill(
             SKIP_HEADS=pool and W > 1, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
     if pool and W > 1:
         _conv_head_kernel[(N, _cdiv(D, BD))](
-            x, weight, bias, y, cu_seqlens, conv_pool, conv_slots, has_initial_state, T, D,
+            x, weight, bias, y, cu_seqlens, conv_pool, conv_slots, has_initial_state, T, D, conv_pool.stride(0),
             W=W, BD=BD, BH=_pow2(W - 1), VARLEN=varlen, HAS_INIT_FLAGS=has_initial_state is not None,
             HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
     return y
@@ -217,7 +217,7 @@ def causal_conv1d_update(
         return y
     BD = min(256, _pow2(D))
     _conv_update_kernel[(B, _cdiv(D, BD))](
-        x, weight, bias, y, conv_pool, conv_slots, D,
+        x, weight, bias, y, conv_pool, conv_slots, D, conv_pool.stride(0),
         W=W, BD=BD, BW=_pow2(W), HAS_BIAS=bias is not None, SILU=activation == "silu",
         num_warps=4)
     return y

@@ -38,6 +38,17 @@ def tensor(
     return t
 
 
+def slot_pool(name: str, pool: object, *, ndim: int, dtypes: Sequence[torch.dtype], device: torch.device) -> None:
+    """A pool ``[num_slots, ...]``: each slot's block contiguous; the slot stride may be larger (a strided
+    view into a bigger buffer, as vLLM's page-packed hybrid caches are), never smaller."""
+    tensor(name, pool, ndim=ndim, dtypes=dtypes, device=device, contiguous=False)
+    block = pool[0] if pool.shape[0] else pool.new_empty(pool.shape[1:])
+    block_numel = block.numel()
+    if not block.is_contiguous() or (pool.shape[0] > 1 and pool.stride(0) < block_numel):
+        raise ValueError(f"{name} must hold each slot's block contiguously with slot stride >= {block_numel} "
+                         f"(shape {tuple(pool.shape)}, stride {pool.stride()})")
+
+
 def optional(name: str, t: object, **kw) -> torch.Tensor | None:
     return None if t is None else tensor(name, t, **kw)
 

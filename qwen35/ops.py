@@ -19,7 +19,9 @@ Recurrent state: ``S`` per sequence is ``[HV, K, V]`` fp32, updated per token as
 q scaled by ``scale``, default ``K**-0.5``). States live either in plain tensors
 ``[N, HV, K, V]`` or in a **state pool** ``[num_slots, HV, K, V]`` fp32 addressed by slot
 indices (int32/int64); a negative slot is padding: that sequence starts from zeros and its state
-is not written (prefill), or the row is skipped and its output is zero (decode).
+is not written (prefill), or the row is skipped and its output is zero (decode). Pools (state and
+conv) need each slot's block contiguous but may have a larger slot stride: a strided view into a
+bigger buffer (vLLM packs a block's conv and recurrent state into one page) is used in place.
 
 Conv state: the depthwise causal conv over ``D`` channels with window ``W`` keeps the last
 ``W - 1`` inputs per sequence in a **conv pool** ``[num_slots, D, W - 1]`` (oldest column
@@ -122,7 +124,7 @@ def _scale(scale: float | None) -> None:
 
 
 def _state_pool(name: str, pool: torch.Tensor, device, HV: int, K: int, V: int) -> None:
-    chk.tensor(name, pool, ndim=4, device=device, dtypes=(torch.float32, torch.float64))
+    chk.slot_pool(name, pool, ndim=4, device=device, dtypes=(torch.float32, torch.float64))
     chk.shape(name, pool, [None, HV, K, V])
 
 
@@ -259,7 +261,7 @@ def _conv_common(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 
 def _conv_pool(pool: torch.Tensor, x: torch.Tensor, D: int, W: int) -> None:
-    chk.tensor("conv_pool", pool, ndim=3, device=x.device)
+    chk.slot_pool("conv_pool", pool, ndim=3, device=x.device, dtypes=chk.FLOAT_DTYPES)
     chk.shape("conv_pool", pool, [None, D, W - 1])
     if pool.dtype != x.dtype:
         raise ValueError(f"conv_pool has dtype {pool.dtype} but x has {x.dtype}; the history is kept in x's dtype")

@@ -126,28 +126,25 @@ class VllmGDNState(MambaBase, nn.Module):
         slots = md.non_spec_state_indices_tensor
         decode_slots = slots[:nd] if nd else None
         prefill_slots = md.prefill_state_indices[:np_] if np_ else None
-        conv_view, state_view = self.kv_cache
-        gather = not (conv_view.is_contiguous() and state_view.is_contiguous())
-        if gather:
-            # vLLM packs each block's states into one page, so the pools are strided views; the ops
-            # take contiguous pools, so work on a compact copy of the rows this step touches.
-            used = torch.cat([s for s in (decode_slots, prefill_slots) if s is not None]).long()
-            conv_pool, state_pool = conv_view[used], state_view[used]
-            local = torch.arange(used.numel(), dtype=torch.int32, device=used.device)
-            decode_slots = local[:nd] if nd else None
-            prefill_slots = local[nd:] if np_ else None
-        else:
-            conv_pool, state_pool = conv_view, state_view
+        # vLLM packs each block's conv and recurrent state into one page: the pools are strided views
+        # (each slot's block contiguous), which the ops update in place.
+        conv_pool, state_pool = self.kv_cache
         cu = md.prefill_query_start_loc[: np_ + 1] if np_ else None
         step = GDNStep(
             conv_pool=conv_pool, state_pool=state_pool, num_decodes=nd, decode_slots=decode_slots,
             num_prefill_tokens=md.num_prefill_tokens, prefill_cu_seqlens=cu, prefill_slots=prefill_slots,
             prefill_has_initial_state=md.prefill_has_initial_state[:np_] if np_ else None,
-            prefill_metadata=ops.prepare_gdn_metadata(cu) if np_ else None)
+            prefill_metadata=_prefill_metadata(md, cu) if np_ else None)
         self._core(step, qkv, a, b, out)
-        if gather:
-            conv_view[used] = conv_pool
-            state_view[used] = state_pool
+
+
+def _prefill_metadata(md: GDNAttentionMetadata, cu: torch.Tensor) -> object | None:
+    """Chunk metadata for this batch's prefills, computed by the first GDN layer and reused by the rest
+    (every GDN layer of a step shares one metadata object)."""
+    cached = getattr(md, "_qwen35_prefill_metadata", None)
+    if cached is None:
+        cached = md._qwen35_prefill_metadata = ops.prepare_gdn_metadata(cu)
+    return cached
 
 
 # ----------------------------------------------------------------------------- host

@@ -252,7 +252,7 @@ def _chunk_prepare_kernel(
 def _chunk_scan_kernel(
     q_ptr, k_ptr, ws_ptr, gcum_ptr, o_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
-    T, scale,
+    T, scale, pool_slot_stride,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
@@ -288,7 +288,7 @@ def _chunk_scan_kernel(
         if HAS_INIT_FLAGS:
             use_init = use_init & (tl.load(has_init_ptr + n) != 0)
         if use_init:
-            S = _load_state(h0_ptr + slot * (HV * K * V) + s_off, smask)
+            S = _load_state(h0_ptr + slot * pool_slot_stride + s_off, smask)
     elif STATE_IN:
         S = _load_state(h0_ptr + n.to(tl.int64) * (HV * K * V) + s_off, smask)
 
@@ -319,7 +319,7 @@ def _chunk_scan_kernel(
 
     if POOL:
         if slot >= 0:
-            tl.store(ht_ptr + slot * (HV * K * V) + s_off, S.to(ht_ptr.dtype.element_ty), mask=smask)
+            tl.store(ht_ptr + slot * pool_slot_stride + s_off, S.to(ht_ptr.dtype.element_ty), mask=smask)
     elif STATE_OUT:
         tl.store(ht_ptr + n.to(tl.int64) * (HV * K * V) + s_off, S.to(ht_ptr.dtype.element_ty), mask=smask)
 
@@ -474,6 +474,7 @@ def gdn_chunk_prefill(
         BV = cfg.pop("BV")
         _chunk_scan_kernel[(_cdiv(V, BV), N * HV)](
             q, k, ws, gcum, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T, scale,
+            state_pool.stride(0) if pool else HV * K * V,
             H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=CHUNK,
             VARLEN=varlen, STATE_IN=h0 is not None, STATE_OUT=ht is not None, POOL=pool,
             HAS_INIT_FLAGS=has_initial_state is not None, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec, **cfg)

@@ -24,7 +24,7 @@ from kernels_triton.gdn.chunk import _cdiv, _gating, _pow2, check_head_dims, dev
 @triton.jit(do_not_specialize=["H", "HV"])
 def _recurrent_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
-    pool_ptr, slots_ptr, o_ptr, scale,
+    pool_ptr, slots_ptr, o_ptr, scale, pool_slot_stride,
     T: tl.constexpr, H, HV, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
 ):
@@ -44,7 +44,7 @@ def _recurrent_step_kernel(
             tl.store(o_ptr + ((row0 + t) * HV + hv) * V + vcols, tl.zeros((BV,), dtype=o_ptr.dtype.element_ty),
                      mask=vmask)
     else:
-        s_ptrs = pool_ptr + ((slot * HV + hv) * K + kcols[:, None]) * V + vcols[None, :]
+        s_ptrs = pool_ptr + slot * pool_slot_stride + (hv * K + kcols[:, None]) * V + vcols[None, :]
         smask = kmask[:, None] & vmask[None, :]
         S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
         for t in tl.static_range(T):
@@ -116,7 +116,7 @@ def gdn_recurrent_step(
     BV = cfg.pop("BV")
     _recurrent_step_kernel[(_cdiv(V, BV), B * HV)](
         q, k, v, g, beta, a, b, A_log, dt_bias, state_pool, state_slots, o,
-        K**-0.5 if scale is None else float(scale),
+        K**-0.5 if scale is None else float(scale), state_pool.stride(0),
         T=T, H=H, HV=HV, K=K, V=V, BK=_pow2(K), BV=BV,
         RAW_GATING=a is not None, USE_L2=use_qk_l2norm, **cfg)
     return o
