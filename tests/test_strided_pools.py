@@ -1,10 +1,13 @@
 """Pools that are strided views into one page buffer (as vLLM packs a block's conv + recurrent state).
 
 Every backend must update such views in place exactly as it updates compact pools, and leave the
-rest of each page (the other state, padding) untouched. Triton runs in the interpreter on CPU.
+rest of each page (the other state, padding) untouched. Triton runs in the interpreter on CPU and
+natively on a GPU (the ``cuda`` cases, marked ``gpu``).
 """
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -18,8 +21,8 @@ STATE = HV * K * V
 PAGE = CONV + STATE + 7  # odd padding: the slot stride is no multiple of either block
 
 
-def _pages(seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    buf = torch.randn(S * PAGE, generator=torch.Generator().manual_seed(seed))
+def _pages(seed: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    buf = torch.randn(S * PAGE, generator=torch.Generator().manual_seed(seed)).to(device)
     conv = torch.as_strided(buf, (S, D, W - 1), (PAGE, W - 1, 1))
     state = torch.as_strided(buf, (S, HV, K, V), (PAGE, K * V, V, 1), CONV)
     return buf, conv, state
@@ -36,19 +39,29 @@ def backend(request, fresh_probe, monkeypatch):
     return request.param
 
 
-def test_strided_views_update_like_compact_pools(backend):
-    buf, conv_view, state_view = _pages(0)
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request, backend):
+    if request.param == "cpu" and backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("Triton runs CPU tensors only in the interpreter")
+    return request.param
+
+
+def test_strided_views_update_like_compact_pools(backend, device):
+    def on(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device)
+
+    buf, conv_view, state_view = _pages(0, device)
     pad = _padding(buf).clone()
     conv_c, state_c = conv_view.clone(), state_view.clone()
     lens = [3, 9, 1]
     T = sum(lens)
-    cu = cu_from_lens(lens)
-    slots = torch.tensor([4, 0, 2], dtype=torch.int32)
-    has_init = torch.tensor([True, False, True])
+    cu = cu_from_lens(lens, device)
+    slots = on(torch.tensor([4, 0, 2], dtype=torch.int32))
+    has_init = on(torch.tensor([True, False, True]))
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(T, D, generator=gen)
-    w = torch.randn(D, W, generator=gen)
-    d = gdn_inputs(T, H, HV, K, V, seed=2, raw=True)
+    x = on(torch.randn(T, D, generator=gen))
+    w = on(torch.randn(D, W, generator=gen))
+    d = gdn_inputs(T, H, HV, K, V, seed=2, raw=True, device=device)
     gating = {k: d[k] for k in ("a", "b", "A_log", "dt_bias")}
 
     outs = []
@@ -57,12 +70,13 @@ def test_strided_views_update_like_compact_pools(backend):
                                       has_initial_state=has_init)
         o, _ = ops.gdn_chunk_prefill(d["q"], d["k"], d["v"], **gating, cu_seqlens=cu, state_pool=state_pool,
                                      state_slots=slots, has_initial_state=has_init, use_qk_l2norm=True)
-        dec = gdn_inputs(2, H, HV, K, V, seed=3, raw=True, batch=(3,))
-        y2 = ops.causal_conv1d_update(torch.randn(3, D, generator=torch.Generator().manual_seed(4)), w, None,
-                                      conv_pool=conv_pool, conv_slots=torch.tensor([2, -1, 4], dtype=torch.int32))
+        dec = gdn_inputs(2, H, HV, K, V, seed=3, raw=True, batch=(3,), device=device)
+        dec_slots = on(torch.tensor([2, -1, 4], dtype=torch.int32))
+        y2 = ops.causal_conv1d_update(on(torch.randn(3, D, generator=torch.Generator().manual_seed(4))), w, None,
+                                      conv_pool=conv_pool, conv_slots=dec_slots)
         o2 = ops.gdn_recurrent_step(dec["q"], dec["k"], dec["v"], a=dec["a"], b=dec["b"], A_log=dec["A_log"],
-                                    dt_bias=dec["dt_bias"], state_pool=state_pool,
-                                    state_slots=torch.tensor([2, -1, 4], dtype=torch.int32), use_qk_l2norm=True)
+                                    dt_bias=dec["dt_bias"], state_pool=state_pool, state_slots=dec_slots,
+                                    use_qk_l2norm=True)
         outs.append((y, o, y2, o2))
     for got, want, what in zip(outs[0], outs[1], ("conv prefill", "gdn prefill", "conv update", "gdn decode"),
                                strict=True):
