@@ -85,8 +85,8 @@ def test_route_ties_go_to_the_lowest_id():
 
 @pytest.mark.parametrize("single", [True, False])
 def test_alignment_groups_slots_by_expert(single, monkeypatch):
-    if not single:  # force the multi-launch path on a small input: several chunks, scan tiles and group columns
-        for name, value in (("SINGLE_CHUNK_MAX", 32), ("CHUNK", 32), ("SCAN_GROUPS", 4), ("SCAN_TILE", 8)):
+    if not single:  # force the multi-chunk path on a small input: chunks of two 16-token tiles, scan tiles of 1
+        for name, value in (("SINGLE_CHUNK_MAX", 32), ("MAX_CHUNKS", 2), ("SCAN_TILE", 16)):
             monkeypatch.setattr(talign, name, value)
     gen = torch.Generator().manual_seed(1)
     E, block_m = 10, 16
@@ -123,7 +123,7 @@ def test_experts_match_reference(M, dtype):
 def test_experts_large_tiles_and_multi_chunk_alignment(monkeypatch):
     """M*k/E = 50 slots per expert: BLOCK_M 64 tensor-core tiles; alignment over several chunks."""
     monkeypatch.setattr(talign, "SINGLE_CHUNK_MAX", 128)
-    monkeypatch.setattr(talign, "CHUNK", 64)
+    monkeypatch.setattr(talign, "MAX_CHUNKS", 4)
     gen = torch.Generator().manual_seed(7)
     E, k, H, I, M = 8, 2, 64, 32, 200
     assert tconfig.configs(M, k, E, H, I, torch.float16, torch.device(DEVICE))[0].BLOCK_M >= 64
@@ -196,9 +196,10 @@ def test_block_matches_reference(M, dtype, Is, gate, renormalize):
     assert_close(out, _ref_block(kw, 2, renormalize=renormalize), TOL[dtype], "moe_block")
 
 
-def test_block_with_expert_map():
+@pytest.mark.parametrize("M", [9, 40])  # decode (one program) and chunked routing
+def test_block_with_expert_map(M):
     gen = torch.Generator().manual_seed(8)
-    kw = _block_inputs(gen, 9, torch.float16, E=3)
+    kw = _block_inputs(gen, M, torch.float16, E=3)
     kw["router_weight"] = _rnd(gen, 8, 64, dtype=torch.float16)  # 8 global experts, 3 held here
     emap = torch.tensor([-1, 0, -1, -1, 1, -1, 2, -1], dtype=torch.int32, device=DEVICE)
     out = tmoe.moe_block(**kw, top_k=3, expert_map=emap)
@@ -207,9 +208,9 @@ def test_block_with_expert_map():
 
 @pytest.mark.parametrize("multi_chunk", [False, True])
 def test_block_is_deterministic(multi_chunk, monkeypatch):
-    if multi_chunk:  # 33 tokens x (2 picks + shared) over chunks of 32 slots
-        monkeypatch.setattr(talign, "SINGLE_CHUNK_MAX", 32)
-        monkeypatch.setattr(talign, "CHUNK", 32)
+    if multi_chunk:  # 33 tokens x (2 picks + shared): routed in chunks of two 16-token tiles
+        monkeypatch.setattr(talign, "MAX_CHUNKS", 2)
+        monkeypatch.setattr(talign, "SCAN_TILE", 16)
     gen = torch.Generator().manual_seed(9)
     kw = _block_inputs(gen, 33, torch.float16)
     first = tmoe.moe_block(**kw, top_k=2)
@@ -281,16 +282,17 @@ def build(fn, types, consts, num_warps=4, num_stages=3):
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
 bf, f32 = "*bf16", "*fp32"
-route = dict(TOP_K=10, K_PAD=16, E_PAD=512, RENORMALIZE=True, HAS_GATE=True, HAS_SHARED=True)
+route = dict(N_SPLITS=4, TOP_K=10, K_PAD=16, E_PAD=512, RENORMALIZE=True, HAS_GATE=True, HAS_SHARED=True)
 build(R._router_logits_kernel, {"x_ptr": bf, "w_ptr": bf, "gate_ptr": bf, "out_ptr": f32},
       dict(HAS_GATE=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, IEEE=False), 8)
 build(R._route_kernel, {"logits_ptr": f32, "weights_ptr": f32}, dict(route, ROWS=8))
 build(A._route_align_kernel, {"logits_ptr": f32, "weights_ptr": f32},
       dict(route, ROWS=8, HAS_MAP=True, N_PAD=256, G_PAD=1024, BLOCK_M=16))
-build(A._align_count_kernel, {}, dict(HAS_MAP=True, HAS_SHARED=True, CHUNK=128, G_PAD=1024))
-build(A._align_scan_chunks_kernel, {}, dict(BLOCK_G=32, TILE_C=256))
-build(A._align_scan_groups_kernel, {}, dict(BLOCK_M=128, G_PAD=1024))
-build(A._align_scatter_kernel, {}, dict(CHUNK=128, BLOCK_M=128), 8)
+build(A._count_kernel, {"logits_ptr": f32, "weights_ptr": f32},
+      dict(route, ROUTE=True, ROWS=8, TILES=8, HAS_MAP=True, CHUNK_PAD=1024, G_PAD=1024))
+build(A._count_kernel, {"logits_ptr": "*i32", "weights_ptr": "*i32"},
+      dict(route, ROUTE=False, ROWS=16, TILES=4, HAS_MAP=False, CHUNK_PAD=1024, G_PAD=512))
+build(A._scatter_kernel, {}, dict(BLOCK_M=128, CHUNK_PAD=1024, G_PAD=1024, TILE_C=16), 8)
 for bm, bn, bk, warps, stages in ((16, 32, 256, 4, 4), (128, 128, 64, 8, 3)):
     tiles = dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True, IEEE=False)
     build(X._gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf}, tiles, warps, stages)

@@ -14,27 +14,31 @@ Two ways to get there:
 - up to SINGLE_CHUNK_MAX slots (decode), one program: histogram, padded starts, a sort of the
   (group, slot) keys, each key placed at its group's base plus its sorted position. For
   ``moe_block`` the same program first routes the tokens (:func:`route_and_align`).
-- beyond, four launches over chunks of CHUNK slots: count (per-chunk histograms), a scan down
-  each group's column (slots of that group in earlier chunks), a scan over groups (padded
-  starts), and scatter, where a slot's rank among its chunk's slots of the same group comes from
-  comparing the chunk with itself.
+- beyond, two launches over chunks of whole tokens (each a few route tiles, at most
+  CHUNK_SLOTS_MAX slots, at most ~MAX_CHUNKS chunks): count (for ``moe_block`` it routes the
+  chunk's tokens first, then stores the chunk's histogram), and scatter: each program sums every
+  chunk's histogram itself (group totals -> padded starts, earlier chunks -> its offset in each
+  group), then sorts its chunk's keys like the single program. The redundant sums cost
+  ``n_chunks^2 * G`` L2 reads in all (~130 MB at 256 chunks x 513 groups) but save the launches
+  of a separate scan, and on a host with slow launches a launch costs more than that.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels_triton.moe.routing import _route_tile, route, route_launch_params
+from kernels_triton.moe.routing import _route_tile, cdiv, pow2, route_launch_params
 
 SINGLE_CHUNK_MAX = 1024  # slots handled by one fused program
 FUSED_ROUTE_MAX_M = 16  # tokens whose routing runs in the same program as their alignment
-CHUNK = 128  # slots per program in the multi-launch path (the scatter holds a [CHUNK, CHUNK] compare)
-SCAN_GROUPS = 32  # group columns per scan program
-SCAN_TILE = 8192  # elements of the [chunks, groups] tiles the scans hold
+MAX_CHUNKS = 256  # the multi-chunk path grows its chunks beyond this many
+CHUNK_SLOTS_MAX = 1024  # ... but keeps each chunk's slots within one sort of this size
+SCAN_TILE = 16384  # elements of the [chunks, groups] tiles each scatter program sums
 _NO_KEY = tl.constexpr(0x7FFFFFFF)  # sorts after every real (group, index) key
 
 
@@ -109,14 +113,14 @@ def _align_single_kernel(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr,
 
 @triton.jit
 def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr,
-                        block_group_ptr, group_start_ptr, group_count_ptr, total_blocks_ptr, M, n_splits, G,
-                        E_GLOBAL, E_LOCAL, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                        ROWS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
+                        block_group_ptr, group_start_ptr, group_count_ptr, total_blocks_ptr, M, G,
+                        E_GLOBAL, E_LOCAL, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                        E_PAD: tl.constexpr, ROWS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
                         HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr, N_PAD: tl.constexpr,
                         G_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """Decode: route the M tokens, then align their slots, in one program (one launch fewer)."""
     for r0 in range(0, M, ROWS):
-        _route_tile(logits_ptr, weights_ptr, ids_ptr, r0 + tl.arange(0, ROWS), M, E_GLOBAL, n_splits, E_GLOBAL,
+        _route_tile(logits_ptr, weights_ptr, ids_ptr, r0 + tl.arange(0, ROWS), M, E_GLOBAL, E_GLOBAL, N_SPLITS,
                     TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
     tl.debug_barrier()  # the ids just stored are read back by other threads of this program
     _align_single(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
@@ -125,69 +129,83 @@ def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, map_ptr, slot_group_pt
 
 
 @triton.jit
-def _align_count_kernel(ids_ptr, map_ptr, slot_group_ptr, counts_ptr, n, G, E_GLOBAL, E_LOCAL,
-                        HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr, CHUNK: tl.constexpr,
-                        G_PAD: tl.constexpr):
+def _count_kernel(logits_ptr, weights_ptr, ids_ptr, map_ptr, slot_group_ptr, counts_ptr, M, G, E_GLOBAL, E_LOCAL,
+                  ROUTE: tl.constexpr, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, RENORMALIZE: tl.constexpr,
+                  HAS_GATE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr,
+                  CHUNK_PAD: tl.constexpr, G_PAD: tl.constexpr):
+    """One chunk of ROWS * TILES tokens: (route them,) group their slots, store the chunk's histogram.
+
+    With ROUTE the ids come from the logits (as :func:`_route_tile`); without, ``ids_ptr`` holds
+    them (TOP_K = slots per token).
+    """
     chunk = tl.program_id(0)
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    in_range = offs < n
+    SLOTS: tl.constexpr = TOP_K + HAS_SHARED
+    first = chunk * (ROWS * TILES)
+    if ROUTE:
+        for t in range(TILES):
+            _route_tile(logits_ptr, weights_ptr, ids_ptr, first + t * ROWS + tl.arange(0, ROWS), M, E_GLOBAL,
+                        E_GLOBAL, N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
+        tl.debug_barrier()  # the ids just stored are read back by other threads of this program
+    p = tl.arange(0, CHUNK_PAD)
+    offs = first * SLOTS + p
+    in_range = (p < ROWS * TILES * SLOTS) & (offs < M * SLOTS)
     group = _slot_groups(ids_ptr, map_ptr, offs, in_range, E_GLOBAL, E_LOCAL, HAS_MAP, HAS_SHARED)
     tl.store(slot_group_ptr + offs, group, mask=in_range)
-    hist = tl.histogram(tl.maximum(group, 0), G_PAD, mask=group >= 0)
     gs = tl.arange(0, G_PAD)
+    hist = tl.histogram(tl.maximum(group, 0), G_PAD, mask=group >= 0)
     tl.store(counts_ptr + chunk * G + gs, hist, mask=gs < G)
 
 
 @triton.jit
-def _align_scan_chunks_kernel(counts_ptr, before_ptr, group_count_ptr, n_chunks, G, BLOCK_G: tl.constexpr,
-                              TILE_C: tl.constexpr):
-    """Down each group's column: slots of that group in earlier chunks (exclusive prefix), and its total."""
-    gs = tl.program_id(0) * BLOCK_G + tl.arange(0, BLOCK_G)
+def _scatter_kernel(slot_group_ptr, counts_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
+                    group_count_ptr, total_blocks_ptr, n, n_chunks, G, CHUNK_SLOTS, BLOCK_M: tl.constexpr,
+                    CHUNK_PAD: tl.constexpr, G_PAD: tl.constexpr, TILE_C: tl.constexpr):
+    """Place one chunk's slots: its own scan of the chunk histograms, then a sort of the chunk's keys.
+
+    Every program sums the histograms of all chunks (group totals -> padded starts) and of the
+    chunks before it (its offset inside each group); no separate scan launch. Slot at sorted
+    position q of group g goes to start_g + before_g + q - lower_g (lower_g: the chunk's slots of
+    lower groups).
+    """
+    chunk = tl.program_id(0)
+    gs = tl.arange(0, G_PAD)
     g_ok = gs < G
-    earlier = tl.zeros((BLOCK_G,), dtype=tl.int32)
+    totals = tl.zeros((G_PAD,), dtype=tl.int32)
+    before = tl.zeros((G_PAD,), dtype=tl.int32)
     for c0 in range(0, n_chunks, TILE_C):
         cs = c0 + tl.arange(0, TILE_C)
-        m = (cs < n_chunks)[:, None] & g_ok[None, :]
-        tile = tl.load(counts_ptr + cs[:, None] * G + gs[None, :], mask=m, other=0)
-        tl.store(before_ptr + cs[:, None] * G + gs[None, :], tl.cumsum(tile, 0) - tile + earlier[None, :], mask=m)
-        earlier += tl.sum(tile, axis=0)
-    tl.store(group_count_ptr + gs, earlier, mask=g_ok)
-
-
-@triton.jit
-def _align_scan_groups_kernel(group_count_ptr, group_start_ptr, total_blocks_ptr, G, BLOCK_M: tl.constexpr,
-                              G_PAD: tl.constexpr):
-    gs = tl.arange(0, G_PAD)
-    totals = tl.load(group_count_ptr + gs, mask=gs < G, other=0)
+        tile = tl.load(counts_ptr + cs[:, None] * G + gs[None, :], mask=(cs < n_chunks)[:, None] & g_ok[None, :],
+                       other=0)
+        totals += tl.sum(tile, axis=0)
+        before += tl.sum(tl.where((cs < chunk)[:, None], tile, 0), axis=0)
     n_blocks = (totals + BLOCK_M - 1) // BLOCK_M
-    tl.store(group_start_ptr + gs, (tl.cumsum(n_blocks, 0) - n_blocks) * BLOCK_M, mask=gs < G)
-    tl.store(total_blocks_ptr, tl.sum(n_blocks, 0))
-
-
-@triton.jit
-def _align_scatter_kernel(slot_group_ptr, before_ptr, group_start_ptr, sorted_ptr, block_group_ptr, n, G,
-                          CHUNK: tl.constexpr, BLOCK_M: tl.constexpr):
-    chunk = tl.program_id(0)
-    i = tl.arange(0, CHUNK)
-    offs = chunk * CHUNK + i
-    group = tl.load(slot_group_ptr + offs, mask=offs < n, other=-1)
-    same_earlier = (group[:, None] == group[None, :]) & (i[None, :] < i[:, None])
-    rank = tl.sum(same_earlier.to(tl.int32), axis=1)  # earlier slots of this chunk in the same group
-    real = group >= 0
-    g = tl.maximum(group, 0)
-    pos = tl.load(group_start_ptr + g, mask=real, other=0) + tl.load(before_ptr + chunk * G + g, mask=real,
-                                                                      other=0) + rank
-    tl.store(sorted_ptr + pos, offs, mask=real)
-    tl.store(block_group_ptr + pos // BLOCK_M, g, mask=real)
+    start = (tl.cumsum(n_blocks, 0) - n_blocks) * BLOCK_M
+    if chunk == 0:
+        tl.store(group_start_ptr + gs, start, mask=g_ok)
+        tl.store(group_count_ptr + gs, totals, mask=g_ok)
+        tl.store(total_blocks_ptr, tl.sum(n_blocks, 0))
+    own = tl.load(counts_ptr + chunk * G + gs, mask=g_ok, other=0)
+    tl.store(base_ptr + chunk * G + gs, start + before - (tl.cumsum(own, 0) - own), mask=g_ok)
+    tl.debug_barrier()  # base is read back per key by other threads
+    p = tl.arange(0, CHUNK_PAD)
+    offs = chunk * CHUNK_SLOTS + p
+    group = tl.load(slot_group_ptr + offs, mask=(p < CHUNK_SLOTS) & (offs < n), other=-1)
+    keys = tl.sort(tl.where(group >= 0, group * CHUNK_PAD + p, _NO_KEY))
+    real = keys != _NO_KEY
+    g = keys // CHUNK_PAD
+    pos = p + tl.load(base_ptr + chunk * G + g, mask=real, other=0)
+    tl.store(sorted_ptr + pos, chunk * CHUNK_SLOTS + keys % CHUNK_PAD, mask=real)
+    tl.store(block_group_ptr + pos // BLOCK_M, g, mask=real)  # every row of a block writes the same value
 
 
 def _pow2(n: int, lo: int = 16) -> int:
-    return max(lo, triton.next_power_of_2(n))
+    return pow2(n, lo)
 
 
 def max_blocks_for(n: int, n_groups: int, block_m: int) -> int:
     """Upper bound on sum_g ceil(count_g / block_m) over any routing of n slots: the launch size."""
-    return max(1, min(n, triton.cdiv(n, block_m) + n_groups))
+    return max(1, min(n, cdiv(n, block_m) + n_groups))
 
 
 def _outputs(n: int, G: int, block_m: int, dev) -> Alignment:  # noqa: ANN001
@@ -197,34 +215,63 @@ def _outputs(n: int, G: int, block_m: int, dev) -> Alignment:  # noqa: ANN001
     return Alignment(*parts, block_m=block_m, max_blocks=max_blocks, n_groups=G)
 
 
+@functools.lru_cache(maxsize=1024)
+def chunking(M: int, slots: int, rows: int, max_chunks: int, chunk_slots_max: int) -> tuple[int, int]:
+    """(route tiles of ``rows`` tokens per chunk, chunks) for the multi-chunk path.
+
+    Chunks grow with M so that there are at most ~max_chunks of them (each scatter program reads
+    every chunk's histogram), and stay within chunk_slots_max slots (one program sorts a chunk).
+    """
+    tiles = 1
+    while cdiv(M, rows * tiles) > max_chunks and rows * tiles * 2 * slots <= chunk_slots_max:
+        tiles *= 2
+    return tiles, cdiv(M, rows * tiles)
+
+
+def _align_chunks(al: Alignment, M: int, slots: int, *, route: dict | None, logits: torch.Tensor | None,
+                  weights: torch.Tensor | None, ids: torch.Tensor, expert_map: torch.Tensor | None,
+                  e_global: int, n_local: int) -> None:
+    """Two launches over chunks of tokens: (route +) count, then scatter with its own scan."""
+    G, dev = al.n_groups, ids.device
+    rows = route["ROWS"] if route is not None else max(1, min(16, CHUNK_SLOTS_MAX // max(slots, 1)))
+    tiles, n_chunks = chunking(M, slots, rows, MAX_CHUNKS, CHUNK_SLOTS_MAX)
+    chunk_slots = rows * tiles * slots
+    chunk_pad, g_pad = _pow2(chunk_slots), _pow2(G)
+    counts = torch.empty(2, n_chunks, G, dtype=torch.int32, device=dev)
+    routed = route is not None
+    if not routed:
+        route = dict(N_SPLITS=1, TOP_K=slots, K_PAD=_pow2(slots, 2), E_PAD=16, ROWS=rows, RENORMALIZE=False,
+                     HAS_GATE=False, HAS_SHARED=False)
+        logits = weights = ids
+    _count_kernel[(n_chunks,)](
+        logits, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, counts[0], M, G,
+        e_global, n_local, ROUTE=routed, TILES=tiles, HAS_MAP=expert_map is not None, CHUNK_PAD=chunk_pad, G_PAD=g_pad,
+        num_warps=4, **route)
+    _scatter_kernel[(n_chunks,)](
+        al.slot_group, counts[0], counts[1], al.sorted_slots, al.block_group, al.group_start, al.group_count,
+        al.total_blocks, M * slots, n_chunks, G, chunk_slots, BLOCK_M=al.block_m, CHUNK_PAD=chunk_pad, G_PAD=g_pad,
+        TILE_C=max(1, SCAN_TILE // g_pad), num_warps=8 if chunk_pad * g_pad > (1 << 16) else 4)
+
+
 def align(ids: torch.Tensor, *, n_local: int, block_m: int, expert_map: torch.Tensor | None = None,
           shared: bool = False) -> Alignment:
     """Group the slots of ``ids`` ``[M, slots]`` (global ids; E_global = shared id) by local expert."""
     dev = ids.device
-    n = ids.numel()
+    M, slots = ids.shape
+    n = M * slots
     e_global = expert_map.shape[0] if expert_map is not None else n_local
     G = n_local + int(shared)
     al = _outputs(n, G, block_m, dev)
-    map_arg = expert_map if expert_map is not None else ids
-    common = dict(HAS_MAP=expert_map is not None, HAS_SHARED=bool(shared))
     if n <= SINGLE_CHUNK_MAX:
         base = torch.empty(G, dtype=torch.int32, device=dev)
         _align_single_kernel[(1,)](
-            ids, map_arg, al.slot_group, base, al.sorted_slots, al.block_group, al.group_start, al.group_count,
-            al.total_blocks, n, G, e_global, n_local, N_PAD=_pow2(n), G_PAD=_pow2(G), BLOCK_M=block_m, num_warps=4,
-            **common)
+            ids, expert_map if expert_map is not None else ids, al.slot_group, base, al.sorted_slots, al.block_group,
+            al.group_start, al.group_count, al.total_blocks, n, G, e_global, n_local,
+            HAS_MAP=expert_map is not None, HAS_SHARED=bool(shared), N_PAD=_pow2(n), G_PAD=_pow2(G),
+            BLOCK_M=block_m, num_warps=4)
         return al
-    n_chunks = triton.cdiv(n, CHUNK)
-    counts = torch.empty(2, n_chunks, G, dtype=torch.int32, device=dev)
-    _align_count_kernel[(n_chunks,)](ids, map_arg, al.slot_group, counts[0], n, G, e_global, n_local, CHUNK=CHUNK,
-                                     G_PAD=_pow2(G), num_warps=4, **common)
-    _align_scan_chunks_kernel[(triton.cdiv(G, SCAN_GROUPS),)](
-        counts[0], counts[1], al.group_count, n_chunks, G, BLOCK_G=SCAN_GROUPS, TILE_C=SCAN_TILE // SCAN_GROUPS,
-        num_warps=4)
-    _align_scan_groups_kernel[(1,)](al.group_count, al.group_start, al.total_blocks, G, BLOCK_M=block_m,
-                                    G_PAD=_pow2(G), num_warps=4)
-    _align_scatter_kernel[(n_chunks,)](al.slot_group, counts[1], al.group_start, al.sorted_slots, al.block_group, n,
-                                       G, CHUNK=CHUNK, BLOCK_M=block_m, num_warps=8)
+    _align_chunks(al, M, slots, route=None, logits=None, weights=None, ids=ids, expert_map=expert_map,
+                  e_global=e_global, n_local=n_local)
     return al
 
 
@@ -233,24 +280,25 @@ def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize
                     shared: bool) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """Routing of ``logits`` (see :func:`kernels_triton.moe.routing.route`) and the alignment of its picks.
 
-    Decode-sized batches do both in one launch.
+    Decode-sized batches do both in one program; larger ones in two launches (route + count, scatter).
     """
     M = logits.shape[-2]
     slots = top_k + int(shared)
     n = M * slots
-    if M > FUSED_ROUTE_MAX_M or n > SINGLE_CHUNK_MAX:
-        weights, ids = route(logits, top_k, renormalize, n_splits=n_splits, n_experts=n_experts, gate=gate,
-                             shared=shared)
-        return weights, ids, align(ids, n_local=n_local, block_m=block_m, expert_map=expert_map, shared=shared)
     dev = logits.device
     G = n_local + int(shared)
     weights = torch.empty(M, slots, dtype=torch.float32, device=dev)
     ids = torch.empty(M, slots, dtype=torch.int32, device=dev)
     al = _outputs(n, G, block_m, dev)
+    route = dict(route_launch_params(M, n_experts, top_k), N_SPLITS=n_splits, RENORMALIZE=bool(renormalize),
+                 HAS_GATE=bool(gate), HAS_SHARED=bool(shared))
+    if M > FUSED_ROUTE_MAX_M or n > SINGLE_CHUNK_MAX:
+        _align_chunks(al, M, slots, route=route, logits=logits, weights=weights, ids=ids, expert_map=expert_map,
+                      e_global=n_experts, n_local=n_local)
+        return weights, ids, al
     base = torch.empty(G, dtype=torch.int32, device=dev)
     _route_align_kernel[(1,)](
         logits, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, base, al.sorted_slots,
-        al.block_group, al.group_start, al.group_count, al.total_blocks, M, n_splits, G, n_experts, n_local,
-        RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate), HAS_MAP=expert_map is not None, HAS_SHARED=bool(shared),
-        N_PAD=_pow2(n), G_PAD=_pow2(G), BLOCK_M=block_m, num_warps=4, **route_launch_params(M, n_experts, top_k))
+        al.block_group, al.group_start, al.group_count, al.total_blocks, M, G, n_experts, n_local,
+        HAS_MAP=expert_map is not None, N_PAD=_pow2(n), G_PAD=_pow2(G), BLOCK_M=block_m, num_warps=4, **route)
     return weights, ids, al

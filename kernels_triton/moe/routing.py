@@ -8,6 +8,8 @@ over ``(order-preserving int32 of the logit) << 32 | (E_PAD - 1 - id)``. Weights
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -75,13 +77,14 @@ def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENOR
 
 
 @triton.jit
-def _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, n_splits, SHARED_ID, TOP_K: tl.constexpr,
-                K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
-                HAS_SHARED: tl.constexpr):
+def _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS: tl.constexpr,
+                TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Route the rows ``rows``: sum the split-K partials in order, pick top-k, store; append the shared slot.
 
-    logits ``[n_splits, M, E + HAS_GATE]``; outputs ``[M, TOP_K + HAS_SHARED]``. The shared slot's
-    id is SHARED_ID and its weight sigmoid(gate logit) (1 without a gate).
+    logits ``[N_SPLITS, M, E + HAS_GATE]``; outputs ``[M, TOP_K + HAS_SHARED]``. The shared slot's
+    id is SHARED_ID and its weight sigmoid(gate logit) (1 without a gate). N_SPLITS is a constexpr
+    so the partial loads are unrolled and all in flight at once (a runtime loop waited on each).
     """
     n_in = E + HAS_GATE
     n_out = TOP_K + HAS_SHARED
@@ -90,7 +93,7 @@ def _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, n_splits, SHARED_I
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * n_in + cols[None, :]
     mask = row_ok[:, None] & (cols < E)[None, :]
     logits = tl.zeros((rows.shape[0], E_PAD), dtype=tl.float32)
-    for s in range(n_splits):
+    for s in tl.static_range(N_SPLITS):
         logits += tl.load(ptrs + s * M * n_in, mask=mask, other=0.0).to(tl.float32)
     weights, ids = _top_k_rows(logits, cols, E, TOP_K, K_PAD, RENORMALIZE)
     slot = tl.arange(0, K_PAD)
@@ -101,7 +104,7 @@ def _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, n_splits, SHARED_I
     if HAS_SHARED:
         gate = tl.zeros((rows.shape[0],), dtype=tl.float32)
         if HAS_GATE:
-            for s in range(n_splits):
+            for s in tl.static_range(N_SPLITS):
                 gate += tl.load(logits_ptr + s * M * n_in + rows * n_in + E, mask=row_ok, other=0.0)
             w_shared = tl.sigmoid(gate)
         else:
@@ -111,23 +114,35 @@ def _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, n_splits, SHARED_I
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, n_splits, SHARED_ID, TOP_K: tl.constexpr,
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, SHARED_ID, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr,
                   K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, RENORMALIZE: tl.constexpr,
                   HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, n_splits, SHARED_ID, TOP_K, K_PAD, E_PAD,
+    _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS, TOP_K, K_PAD, E_PAD,
                 RENORMALIZE, HAS_GATE, HAS_SHARED)
 
 
+def cdiv(a: int, b: int) -> int:
+    """Host-side ceil division (``triton.cdiv`` costs microseconds per call on the host path)."""
+    return -(-a // b)
+
+
 def pow2(n: int, lo: int = 1) -> int:
-    return max(lo, triton.next_power_of_2(n))
+    """Smallest power of two >= max(n, lo), in plain Python."""
+    return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
+@functools.lru_cache(maxsize=1024)
 def route_launch_params(M: int, E: int, top_k: int) -> dict:
     """Constexprs of a route tile: rows per tile sized so that [rows, E_PAD] stays ~ROUTE_TILE elements."""
     e_pad = pow2(E, 16)
     rows = max(1, min(16, pow2(M), ROUTE_TILE // e_pad))
     return dict(TOP_K=top_k, K_PAD=pow2(top_k, 2), E_PAD=e_pad, ROWS=rows)
+
+
+def route_warps(params: dict) -> int:
+    """Small tiles: fewer warps, cheaper reductions."""
+    return max(1, min(4, params["ROWS"] * params["E_PAD"] // 512))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int = 1, n_experts: int | None = None,
@@ -141,37 +156,46 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int 
     if M == 0:
         return weights, ids
     p = route_launch_params(M, E, top_k)
-    warps = max(1, min(4, p["ROWS"] * p["E_PAD"] // 512))  # small tiles: fewer warps, cheaper reductions
-    _route_kernel[(triton.cdiv(M, p["ROWS"]),)](
-        logits, weights, ids, M, E, n_splits, E, RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate),
-        HAS_SHARED=bool(shared), num_warps=warps, **p)
+    _route_kernel[(cdiv(M, p["ROWS"]),)](
+        logits, weights, ids, M, E, E, N_SPLITS=n_splits, RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate),
+        HAS_SHARED=bool(shared), num_warps=route_warps(p), **p)
     return weights, ids
+
+
+@functools.lru_cache(maxsize=1024)
+def router_launch(M: int, H: int, n_out: int) -> tuple[tuple[int, int, int], int, dict]:
+    """(grid, K per split, constexprs + launch options) of the router GEMM for M tokens.
+
+    Small M is a GEMV over the router weight: split H so that ~128 programs stream it (every split
+    is one more partial the routing sums, so no more than that). Large M uses tensor-core tiles,
+    split only while the tiles alone leave SMs idle.
+    """
+    if M <= 64:
+        block_m, block_n, block_k, warps, stages, target = 16, 16 if M <= 16 else 32, 128, 4, 3, 128
+    elif M <= 4096:
+        block_m, block_n, block_k, warps, stages, target = 64, 64, 64, 4, 4, 128
+    else:
+        block_m, block_n, block_k, warps, stages, target = 128, 128, 64, 8, 3, 132
+    tiles = cdiv(M, block_m) * cdiv(n_out, block_n)
+    n_splits = 1
+    while tiles * n_splits < target and H // (n_splits * 2) >= block_k and n_splits < 16:
+        n_splits *= 2
+    k_per_split = cdiv(cdiv(H, n_splits), block_k) * block_k
+    n_splits = cdiv(H, k_per_split)
+    grid = (cdiv(M, block_m), cdiv(n_out, block_n), n_splits)
+    return grid, k_per_split, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                   num_stages=stages)
 
 
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
                   gate_weight: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """fp32 logits ``[n_splits, M, E (+1 for the gate)]`` as split-K partials; returns (partials, n_splits).
-
-    Small M is a GEMV over the router weight: split H so that ~256 programs stream it. Large M
-    uses tensor-core tiles.
-    """
+    """fp32 logits ``[n_splits, M, E (+1 for the gate)]`` as split-K partials; returns (partials, n_splits)."""
     M, H = x.shape
     E = router_weight.shape[0]
     n_out = E + int(gate_weight is not None)
-    if M <= 64:
-        block_m, block_n, block_k, warps, stages = 16, 16 if M <= 16 else 32, 128, 4, 3
-    else:
-        block_m, block_n, block_k, warps, stages = 128, 128, 64, 8, 3
-    tiles = triton.cdiv(M, block_m) * triton.cdiv(n_out, block_n)
-    n_splits = 1
-    while tiles * n_splits < 256 and H // (n_splits * 2) >= block_k:
-        n_splits *= 2
-    k_per_split = triton.cdiv(triton.cdiv(H, n_splits), block_k) * block_k
-    n_splits = triton.cdiv(H, k_per_split)
-    out = torch.empty(n_splits, M, n_out, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(M, block_m), triton.cdiv(n_out, block_n), n_splits)
+    grid, k_per_split, launch = router_launch(M, H, n_out)
+    out = torch.empty(grid[2], M, n_out, dtype=torch.float32, device=x.device)
     _router_logits_kernel[grid](
         x, router_weight, gate_weight if gate_weight is not None else router_weight, out, M, H, E, k_per_split,
-        HAS_GATE=gate_weight is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
-    return out, n_splits
+        HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32, **launch)
+    return out, grid[2]
