@@ -249,6 +249,24 @@ def test_config_heuristic_and_tuned_file(tmp_path, monkeypatch, caplog):
         _config.clear_cache()
 
 
+def test_tuned_entry_reaches_only_nearby_token_counts(monkeypatch):
+    """An entry tuned at 1024 tokens serves 256..4096; at 16384 the heuristic decides (entries without M: always)."""
+    dev = torch.device("cpu")
+    entry = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 5}
+    tuned = tconfig.GemmConfig(64, 64, 128, 4, 5)
+    tconfig.configs.cache_clear()
+    try:
+        monkeypatch.setattr(_config, "lookup", lambda *a, **k: dict(entry, M=1024))
+        assert tconfig.configs(4096, 8, 256, 2048, 512, torch.bfloat16, dev)[0] == tuned
+        far = tconfig.configs(16384, 8, 256, 2048, 512, torch.bfloat16, dev)[0]
+        assert far == tconfig.heuristic("gate_up", 16384, 8, 256, 1024, 2048) != tuned
+        monkeypatch.setattr(_config, "lookup", lambda *a, **k: dict(entry))
+        tconfig.configs.cache_clear()
+        assert tconfig.configs(16384, 8, 256, 2048, 512, torch.bfloat16, dev)[0] == tuned
+    finally:
+        tconfig.configs.cache_clear()
+
+
 def test_facade_selects_and_self_tests_triton(fresh_probe, monkeypatch):
     monkeypatch.setenv("QWEN35_BACKEND", "triton")
     fresh_probe.reset()

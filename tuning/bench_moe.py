@@ -8,7 +8,9 @@ top-k / renormalise, then the experts and the weighted top-k sum), bf16. Ours is
 ``moe_block`` call without a shared expert (``ours_shared_ms`` adds the gated shared expert);
 the anchor is torch: fp32 router logits, softmax, topk, renormalise, stable sort by expert,
 ``torch._grouped_mm`` (gate_up), silu*mul, ``torch._grouped_mm`` (down), weight, ``index_add_``.
-M <= 256 is timed by replaying a CUDA graph (launch gaps vanish), larger M with events.
+M <= 256 is timed by replaying a CUDA graph (launch gaps vanish), larger M with events (host work
+included); ``gpu_ms`` is the graph-replayed time at every M and ``host_us`` the host time of one
+eager call (enqueue time of back-to-back calls), so events time ~ max(gpu, host) shows which bounds it.
 
 Roofline: ``mem_floor_ms`` = bytes of the experts the routing actually picked (3*I*H each) plus
 the router, over the measured copy bandwidth; ``flop_floor_ms`` = 6*M*k*H*I + 2*M*E*H FLOP over the
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from tuning import _bench
+from tuning.bench_gdn import host_us_per_call  # the same measurement as the GDN bench's
 
 DEVICE = "cuda"
 SHAPES = {  # name: (E, k, H, I)
@@ -48,9 +51,10 @@ TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates; the heuristic's pick is always added
 SMALL_UP = [(32, 256, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 6), (64, 256, 4, 3)]
 SMALL_DOWN = [(64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 5)]
-LARGE_UP = [(128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4), (256, 64, 8, 3), (128, 32, 8, 4), (128, 64, 8, 4)]
-LARGE_DOWN = [(128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 64, 4, 4), (128, 128, 4, 2),
-              (256, 128, 8, 2)]
+# large tiles: at M >= 4096 the GEMMs are L2-bound with 64-row tiles, so mostly 128 x 256 (outputs) candidates
+LARGE_UP = [(128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]
+LARGE_DOWN = [(256, 64, 8, 3), (128, 64, 8, 4), (256, 128, 8, 3), (128, 128, 8, 3), (256, 64, 8, 4)]
+MAX_ACC = 32768  # fp32 accumulator elements per program (gate_up holds two): more spills at 8 warps
 
 
 # ----------------------------------------------------------------------------- the two pipelines
@@ -93,6 +97,16 @@ def _time(fn, M: int) -> tuple[float, str]:  # noqa: ANN001
     return _bench.time_ms(fn), "events"
 
 
+def _gpu_ms(fn, M: int) -> float:  # noqa: ANN001
+    """GPU time alone (CUDA-graph replay, at every M): with events time, it separates host from device work."""
+    try:
+        return _bench.time_graph_ms(fn, calls_per_graph=20 if M <= GRAPH_MAX_M else 4, rep=10)
+    except Exception as e:  # noqa: BLE001 - report, don't fail the row
+        print(f"  graph timing failed ({type(e).__name__}: {str(e)[:120]})", flush=True)
+        torch.cuda.synchronize()
+        return math.nan
+
+
 def _weights(E: int, H: int, I: int, dtype=torch.bfloat16, seed: int = 0) -> dict:  # noqa: ANN001
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
@@ -117,7 +131,10 @@ def _routing(x, w, top_k):  # noqa: ANN001, ANN202
 
 
 def _stage_ms(x, w, top_k) -> dict:  # noqa: ANN001
-    """Each launch group of ours (as moe_block runs them) timed alone on its real inputs: where the time goes."""
+    """Each launch group of ours (as moe_block runs them) timed alone on its real inputs: where the GPU time goes.
+
+    Timed by graph replay at every M, so host work is not in these numbers (it is in ``host_us``).
+    """
     from kernels_triton.moe import align, config, experts, routing
 
     M, H = x.shape
@@ -139,7 +156,7 @@ def _stage_ms(x, w, top_k) -> dict:  # noqa: ANN001
         "down": lambda: experts.down(h, w["w2"], None, al, weights, down_cfg),
         "combine": lambda: experts.combine(y, al, M, top_k),
     }
-    return {name: round(_time(fn, M)[0], 5) for name, fn in stages.items()}
+    return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()}
 
 
 # ----------------------------------------------------------------------------- benchmark
@@ -156,11 +173,14 @@ def bench_shape(name: str, M: int, w: dict, ceil: dict, with_breakdown: bool) ->
     mem_floor = weight_bytes / ceil["copy_GBps"] / 1e6
     flop_floor = (expert_flop + 2 * M * E * H) / ceil["bf16_TFLOPs"] / 1e9
     ours_ms, method = _time(lambda: ours(*args), M)
+    host_us = host_us_per_call(lambda: ours(*args), calls=50)
+    gpu_ms = ours_ms if method == "graph" else _gpu_ms(lambda: ours(*args), M)
     shared_ms, _ = _time(lambda: ours(*args, shared=w["shared"]), M)
     extra = dict(M=M, E=E, k=k, H=H, I=I, method=method, active_experts=active,
                  mem_floor_ms=round(mem_floor, 5), flop_floor_ms=round(flop_floor, 5),
                  x_mem_floor=round(ours_ms / mem_floor, 3), x_floor=round(ours_ms / max(mem_floor, flop_floor), 3),
-                 TFLOPs=round(expert_flop / ours_ms / 1e9, 1), ours_shared_ms=round(shared_ms, 5))
+                 TFLOPs=round(expert_flop / ours_ms / 1e9, 1), ours_shared_ms=round(shared_ms, 5),
+                 host_us=round(host_us, 1), gpu_ms=round(gpu_ms, 5))
     anchor_ms = None
     try:
         expect = torch_pipeline(*args)
@@ -203,8 +223,13 @@ def run_benchmark(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
             path = _bench.write_results(out, name_json, rows, meta=meta)  # after every row: a killed run keeps them
         del w
         torch.cuda.empty_cache()
-    cols = ["shape", "ours_ms", "anchor_ms", "speedup", "x_mem_floor", "x_floor", "TFLOPs", "ours_shared_ms"]
+    cols = ["shape", "ours_ms", "anchor_ms", "speedup", "x_mem_floor", "x_floor", "TFLOPs", "ours_shared_ms", "host_us",
+            "gpu_ms"]
     print(_bench.format_table(rows, cols))
+    stage_rows = [dict(shape=r["shape"], **r["stages_ms"]) for r in rows if r.get("stages_ms")]
+    if stage_rows:
+        print("GPU time per stage (ms, graph replay):")
+        print(_bench.format_table(stage_rows, list(stage_rows[0])))
     print(f"wrote {path}")
     return rows
 
@@ -221,7 +246,8 @@ def _candidates(which: str, block_m: int, N: int, K: int, heuristic) -> list:  #
     out = [GemmConfig(block_m, heuristic.BLOCK_N, heuristic.BLOCK_K, heuristic.num_warps, heuristic.num_stages)]
     for bn, bk, warps, stages in table:
         c = GemmConfig(block_m, bn, bk, warps, stages)
-        if bn <= n_cols and bk <= K and c not in out:
+        acc = block_m * bn * (2 if which == "gate_up" else 1)
+        if bn <= n_cols and bk <= K and acc <= MAX_ACC and c not in out:
             out.append(c)
     return out
 
@@ -319,7 +345,7 @@ def run_tuning(out: Path, shapes: list[str], ms: list[int], budget_s: float, mer
         for dtype in ("bfloat16", "float16"):  # fp16 runs the same tensor-core rates: same tiles
             for op, key, cfg in ((config.GATE_UP_OP, f"E={E},N={2 * I},K={H},dtype={dtype}", r["gate_up"]),
                                  (config.DOWN_OP, f"E={E},N={H},K={I},dtype={dtype}", r["down"])):
-                docs[op]["entries"].setdefault(key, {})[str(M)] = cfg
+                docs[op]["entries"].setdefault(key, {})[str(M)] = dict(cfg, M=M)  # M: see config._near
         print(f"  tuned {name} M={M}: {r['best_ms']} ms (heuristic {r['heuristic_ms']}) up {r['gate_up']} "
               f"down {r['down']} ({time.time() - t0:.1f}s)", flush=True)
         _write_tuning(out, slug, docs, results)  # after every point: a killed run keeps what it found

@@ -31,6 +31,7 @@ import torch
 from kernels_triton import _config
 
 GATE_UP_OP, DOWN_OP = "moe_gate_up", "moe_down"
+BUCKET_REACH = 4  # see _near
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
@@ -79,6 +80,20 @@ def heuristic(which: str, M: int, top_k: int, E: int, N: int, K: int) -> GemmCon
     return GemmConfig(bm, _pow2_at_most(n_cols, bn), _pow2_at_most(K, bk), warps, stages)
 
 
+def _near(entry: dict | None, M: int) -> dict | None:
+    """A tuned entry only counts within BUCKET_REACH x of the token count it was tuned at.
+
+    Far from any tuned bucket the tile shape that won there says little (a 1024-token winner ran
+    TP8 at 16384 tokens with half the heuristic's rows per tile); the heuristic is the better guess.
+    The lookup returns the nearest bucket's entry, which carries its bucket as ``"M"`` when the
+    tuner wrote it; older files without it are trusted as before.
+    """
+    if entry is None or "M" not in entry:
+        return entry
+    tuned = max(int(entry["M"]), 1)
+    return entry if tuned / BUCKET_REACH <= M <= tuned * BUCKET_REACH else None
+
+
 def _from_entry(entry: dict | None) -> GemmConfig | None:
     if not entry or any(k not in entry for k in KEYS):
         return None
@@ -120,8 +135,8 @@ def configs(M: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype,
             device: torch.device) -> tuple[GemmConfig, GemmConfig]:
     """(gate_up, down) configs for M tokens routed to top_k of E local experts; one BLOCK_M for both."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    up = _from_entry(_config.lookup(GATE_UP_OP, name, shape_key(E, 2 * I, H, dtype), M))
-    down = _from_entry(_config.lookup(DOWN_OP, name, shape_key(E, H, I, dtype), M))
+    up = _from_entry(_near(_config.lookup(GATE_UP_OP, name, shape_key(E, 2 * I, H, dtype), M), M))
+    down = _from_entry(_near(_config.lookup(DOWN_OP, name, shape_key(E, H, I, dtype), M), M))
     up = up or heuristic("gate_up", M, top_k, E, 2 * I, H)
     down = down or heuristic("down", M, top_k, E, H, I)
     if down.BLOCK_M != up.BLOCK_M:
