@@ -84,19 +84,24 @@ def test_route_ties_go_to_the_lowest_id():
 
 
 @pytest.mark.parametrize("single", [True, False])
-def test_alignment_groups_slots_by_expert(single, monkeypatch):
-    if not single:  # force the multi-chunk path on a small input: chunks of two 16-token tiles, scan tiles of 1
+@pytest.mark.parametrize("shared", [False, True])
+def test_alignment_groups_slots_by_expert(single, shared, monkeypatch):
+    if not single:  # force the multi-chunk path on a small input: several chunks, scan tiles of 1 chunk
         for name, value in (("SINGLE_CHUNK_MAX", 32), ("MAX_CHUNKS", 2), ("SCAN_TILE", 16)):
             monkeypatch.setattr(talign, name, value)
     gen = torch.Generator().manual_seed(1)
     E, block_m = 10, 16
     ids = torch.randint(0, 13, (70, 3), generator=gen, dtype=torch.int32)  # 13 global experts
     emap = torch.tensor([0, -1, 1, 2, 3, -1, 4, 5, 6, 7, 8, -1, 9], dtype=torch.int32)
-    al = talign.align(ids.to(DEVICE), n_local=E, block_m=block_m, expert_map=emap.to(DEVICE))
-    local = emap[ids.long()].flatten()
+    local = emap[ids.long()]
+    if shared:  # the shared expert's slot: global id 13 -> group E
+        ids = torch.cat([ids, torch.full((70, 1), 13, dtype=torch.int32)], dim=1)
+        local = torch.cat([local, torch.full((70, 1), E, dtype=torch.int32)], dim=1)
+    al = talign.align(ids.to(DEVICE), n_local=E, block_m=block_m, expert_map=emap.to(DEVICE), shared=shared)
+    local = local.flatten()
     assert torch.equal(al.slot_group.cpu(), local)
     n_blocks = 0
-    for g in range(E):
+    for g in range(E + int(shared)):
         start, count = int(al.group_start[g]), int(al.group_count[g])
         want = torch.nonzero(local == g).flatten().int()
         assert count == want.numel() and start == n_blocks * block_m

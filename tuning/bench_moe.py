@@ -156,6 +156,12 @@ def _stage_ms(x, w, top_k) -> dict:  # noqa: ANN001
         "down": lambda: experts.down(h, w["w2"], None, al, weights, down_cfg),
         "combine": lambda: experts.combine(y, al, M, top_k),
     }
+    if M <= align.FUSED_ROUTE_MAX_M:  # the alternative to the one-program route+align: two parallel launches
+        def route_then_align():  # noqa: ANN202
+            _, ids = routing.route(logits, top_k, True, n_splits=n_splits)
+            return align.align(ids, n_local=E, block_m=up_cfg.BLOCK_M)
+
+        stages["route_then_align"] = route_then_align
     return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()}
 
 

@@ -230,7 +230,7 @@ def chunking(M: int, slots: int, rows: int, max_chunks: int, chunk_slots_max: in
 
 def _align_chunks(al: Alignment, M: int, slots: int, *, route: dict | None, logits: torch.Tensor | None,
                   weights: torch.Tensor | None, ids: torch.Tensor, expert_map: torch.Tensor | None,
-                  e_global: int, n_local: int) -> None:
+                  e_global: int, n_local: int, shared: bool = False) -> None:
     """Two launches over chunks of tokens: (route +) count, then scatter with its own scan."""
     G, dev = al.n_groups, ids.device
     rows = route["ROWS"] if route is not None else max(1, min(16, CHUNK_SLOTS_MAX // max(slots, 1)))
@@ -240,8 +240,8 @@ def _align_chunks(al: Alignment, M: int, slots: int, *, route: dict | None, logi
     counts = torch.empty(2, n_chunks, G, dtype=torch.int32, device=dev)
     routed = route is not None
     if not routed:
-        route = dict(N_SPLITS=1, TOP_K=slots, K_PAD=_pow2(slots, 2), E_PAD=16, ROWS=rows, RENORMALIZE=False,
-                     HAS_GATE=False, HAS_SHARED=False)
+        route = dict(N_SPLITS=1, TOP_K=slots - int(shared), K_PAD=_pow2(slots, 2), E_PAD=16, ROWS=rows,
+                     RENORMALIZE=False, HAS_GATE=False, HAS_SHARED=shared)
         logits = weights = ids
     _count_kernel[(n_chunks,)](
         logits, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, counts[0], M, G,
@@ -271,7 +271,7 @@ def align(ids: torch.Tensor, *, n_local: int, block_m: int, expert_map: torch.Te
             BLOCK_M=block_m, num_warps=4)
         return al
     _align_chunks(al, M, slots, route=None, logits=None, weights=None, ids=ids, expert_map=expert_map,
-                  e_global=e_global, n_local=n_local)
+                  e_global=e_global, n_local=n_local, shared=bool(shared))
     return al
 
 
@@ -290,9 +290,10 @@ def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize
     weights = torch.empty(M, slots, dtype=torch.float32, device=dev)
     ids = torch.empty(M, slots, dtype=torch.int32, device=dev)
     al = _outputs(n, G, block_m, dev)
-    route = dict(route_launch_params(M, n_experts, top_k), N_SPLITS=n_splits, RENORMALIZE=bool(renormalize),
-                 HAS_GATE=bool(gate), HAS_SHARED=bool(shared))
-    if M > FUSED_ROUTE_MAX_M or n > SINGLE_CHUNK_MAX:
+    one_program = M <= FUSED_ROUTE_MAX_M and n <= SINGLE_CHUNK_MAX
+    route = dict(route_launch_params(M, n_experts, top_k, one_program), N_SPLITS=n_splits,
+                 RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate), HAS_SHARED=bool(shared))
+    if not one_program:
         _align_chunks(al, M, slots, route=route, logits=logits, weights=weights, ids=ids, expert_map=expert_map,
                       e_global=n_experts, n_local=n_local)
         return weights, ids, al

@@ -133,10 +133,14 @@ def pow2(n: int, lo: int = 1) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def route_launch_params(M: int, E: int, top_k: int) -> dict:
-    """Constexprs of a route tile: rows per tile sized so that [rows, E_PAD] stays ~ROUTE_TILE elements."""
+def route_launch_params(M: int, E: int, top_k: int, one_program: bool = False) -> dict:
+    """Constexprs of a route tile: rows per tile sized so that [rows, E_PAD] stays within ROUTE_TILE elements.
+
+    Routing spread over programs (``one_program`` False) uses fewer rows per tile until there are
+    ~64 tiles, so small batches still route in parallel.
+    """
     e_pad = pow2(E, 16)
-    rows = max(1, min(16, pow2(M), ROUTE_TILE // e_pad))
+    rows = max(1, min(16, ROUTE_TILE // e_pad, pow2(M) if one_program else pow2(cdiv(M, 64))))
     return dict(TOP_K=top_k, K_PAD=pow2(top_k, 2), E_PAD=e_pad, ROWS=rows)
 
 
