@@ -16,6 +16,7 @@ if not __import__("torch").cuda.is_available():
 
 import pytest
 import torch
+import triton.language as tl
 from helpers import assert_close, cu_from_lens, gdn_inputs
 
 import kernels_triton as kt
@@ -100,6 +101,26 @@ def test_prefill_diagonal_inverse_by_product_variant():
                                     output_final_state=True, use_qk_l2norm=True)
     assert_close(o, ro, TOL[torch.float32], "output")
     assert_close(ht, rht, TOL[torch.float32], "final state")
+
+
+@pytest.mark.parametrize("K,V,H,HV", [(96, 96, 1, 3), (64, 64, 2, 4), (128, 128, 1, 1)])
+def test_prefill_column_blocks_and_groups(K, V, H, HV):
+    """Head dims that take the 64-column block loops of the prepare kernel once, twice with a ragged
+    last block, or twice exactly; 1, 2 and 3 value heads per key head; 0/1-length sequences; a pool
+    with padding slots."""
+    lens = [0, 1, 70, 65]
+    d = _inputs(lens, H, HV, K, V, torch.float32, seed=5)
+    cu = cu_from_lens(lens, DEV)
+    pool = (torch.randn(6, HV, K, V, generator=torch.Generator().manual_seed(6)) * 0.1).to(DEV)
+    slots = torch.tensor([4, -1, 0, 2], dtype=torch.int32, device=DEV)
+    ours_pool, ref_pool = pool.clone(), pool.double().cpu()
+    o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=ours_pool, state_slots=slots, use_qk_l2norm=True)
+    ro, _ = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(), state_pool=ref_pool,
+                                  state_slots=slots.cpu(), use_qk_l2norm=True)
+    assert_close(o, ro, TOL[torch.float32], "output")
+    assert_close(ours_pool, ref_pool, TOL[torch.float32], "pool")
+    for s in (1, 3, 5):
+        assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
 
 
 def test_prefill_single_sequence_no_state_and_metadata():
@@ -200,6 +221,63 @@ def test_facade_forced_triton_selftests_and_runs(fresh_probe, monkeypatch):
     assert_close(ht, rht, TOL[torch.float32], "façade final state")
 
 
+# ----------------------------------------------------------------------------- launching without the JIT binder
+
+
+def _toy_kernel(x_ptr, y_ptr, n, stride, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr):
+    pass  # never compiled: the launcher test below fakes the JIT and the compiled kernel
+
+
+def test_direct_launcher_keys_and_launches(monkeypatch):
+    """The first call of a specialisation goes through the JIT, later ones straight to the compiled kernel's
+    launcher with every argument in order; a new dtype, a None pointer, a specialised integer becoming 1 or
+    a multiple of 16, or a constexpr change is a new specialisation; an opted-out integer is not; unaligned
+    pointers and integers beyond 32 bits always take the JIT."""
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    from kernels_triton.gdn._launch import DirectLauncher
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    launcher = DirectLauncher(JITFunction(_toy_kernel, do_not_specialize=["n"]))
+    jit_calls, direct_calls = [], []
+
+    class Compiled:
+        function, packed_metadata = "fn", "meta"
+
+        def run(self, *a):
+            direct_calls.append(a)
+
+    class FakeJit:
+        def __getitem__(self, grid):
+            return lambda *args, **options: jit_calls.append((grid, args, options)) or Compiled()
+
+    launcher.kernel = FakeJit()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    x = torch.zeros(64, dtype=torch.float32)
+    opts = {"num_warps": 4}
+
+    def launch(*args, grid=(3,)):
+        launcher(grid, args, opts)
+        return len(jit_calls), len(direct_calls)
+
+    assert launch(x, x, 5, 7, 0.5, 32, True) == (1, 0)
+    assert launch(x, x, 9, 7, 0.25, 32, True) == (1, 1)  # n opts out, scale is a plain float
+    assert direct_calls[-1] == (3, 1, 1, 1234, "fn", "meta", None, None, None, x, x, 9, 7, 0.25, 32, True)
+    assert launch(x, x, 5, 7, 0.5, 32, True, grid=(2, 5)) == (1, 2) and direct_calls[-1][:3] == (2, 5, 1)
+    assert launch(x, x, 5, 16, 0.5, 32, True) == (2, 2)  # stride divisible by 16
+    assert launch(x, x, 5, 1, 0.5, 32, True) == (3, 2)  # stride == 1
+    assert launch(x, None, 5, 7, 0.5, 32, True) == (4, 2)
+    assert launch(x, x.half(), 5, 7, 0.5, 32, True) == (5, 2)
+    assert launch(x, x, 5, 7, 0.5, 64, True) == (6, 2)
+    assert launch(x, x, 5, 7, 0.5, 32, True) == (6, 3)
+    assert launch(x[1:], x, 5, 7, 0.5, 32, True) == (7, 3)  # 4-byte aligned view
+    assert launch(x[1:], x, 5, 7, 0.5, 32, True) == (8, 3)
+    assert launch(x, x, 2**33, 7, 0.5, 32, True) == (9, 3)
+    assert jit_calls[-1] == ((3,), (x, x, 2**33, 7, 0.5, 32, True), opts)
+
+
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU
 
 _HOPPER_BUILD = r'''
@@ -222,16 +300,16 @@ def sm90(kernel, consts, dtypes, warps=4, stages=2):
 act = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "o_ptr", "ws_ptr", "x_ptr", "y_ptr",
                             "z_ptr", "w_ptr", "bias_ptr", "res_ptr", "s_ptr", "pool_ptr")}
 act.update({n: "*fp32" for n in ("A_log_ptr", "dt_bias_ptr", "gcum_ptr", "h0_ptr", "ht_ptr")}, has_init_ptr="*i1")
-dims = dict(K=128, V=128, BK=128, C=64, USE_L2=True)
+dims = dict(K=128, V=128, C=64)
 for by_product in (False, True):
-    sm90(chunk._chunk_prepare_kernel, dict(dims, BV=128, VARLEN=True, RAW_GATING=True, DOT_PREC="tf32",
-                                           EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=by_product, g_ptr=None,
-                                           beta_ptr=None), act, stages=1)
+    sm90(chunk._chunk_prepare_kernel, dict(dims, BKC=64, BVC=64, VARLEN=True, RAW_GATING=True, USE_L2=True,
+                                           DOT_PREC="tf32", EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=by_product,
+                                           LOWP_MERGE=False, g_ptr=None, beta_ptr=None), act, stages=1)
 for bv, stages in ((64, 3), (16, 3)):
-    sm90(chunk._chunk_scan_kernel, dict(dims, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
+    sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
                                         HAS_INIT_FLAGS=True, DOT_PREC="tf32"), act, stages=stages)
 fp16 = dict(act, q_ptr="*fp16", k_ptr="*fp16", o_ptr="*fp16", ws_ptr="*fp32")
-sm90(chunk._chunk_scan_kernel, dict(dims, BV=32, VARLEN=False, STATE_IN=False, STATE_OUT=True, POOL=False,
+sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=32, VARLEN=False, STATE_IN=False, STATE_OUT=True, POOL=False,
                                     HAS_INIT_FLAGS=False, DOT_PREC="tf32", cu_ptr=None, h0_ptr=None,
                                     slots_ptr=None, has_init_ptr=None), fp16)
 sm90(recurrent._recurrent_step_kernel, dict(T=2, K=128, V=128, BK=128, BV=64, RAW_GATING=True, USE_L2=True,

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton import _config
+from kernels_triton.gdn._launch import DirectLauncher
 
 CHUNK = 64  # tokens per chunk; the kernels are written for 16 <= C <= 64 (inverse by 16-row blocks)
 MAX_HEAD_DIM = 256  # K and V beyond this would not fit the per-program tiles
@@ -123,41 +124,27 @@ def _load_state(ptrs, mask):
 
 
 @triton.jit
-def _load_rows(ptr, t, tmask, head, NHEADS, D: tl.constexpr, BD: tl.constexpr):
-    """Rows ``t`` of head ``head`` of a ``[T, NHEADS, D]`` tensor, ``[len(t), BD]`` in its own dtype (0 outside)."""
-    cols = tl.arange(0, BD)
-    return tl.load(ptr + (t[:, None] * NHEADS + head) * D + cols[None, :],
-                   mask=_tile_mask(tmask, cols, D, BD == D), other=0.0)
-
-
-@triton.jit
-def _inv_l2(x, L2: tl.constexpr):
-    """Per-row factor that L2-normalises ``x`` (1 without L2). Norms are applied as row scales of small
-    products, so the big q/k tiles go into the dots exactly as loaded."""
-    if L2:
-        xf = x.to(tl.float32)
-        return tl.rsqrt(tl.sum(xf * xf, axis=1) + 1e-6)
-    else:
-        return tl.full((x.shape[0],), 1.0, dtype=tl.float32)
-
-
-@triton.jit
-def _workspace(ws_ptr, T, HV, K: tl.constexpr, V: tl.constexpr):
-    """W ``[HV, T, K]``, U ``[HV, T, V]`` and Aqk ``[HV, T, C]`` live back to back in one allocation."""
+def _workspace(ws_ptr, T, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
+    """The one workspace allocation: W ``[HV, T, K]``, U ``[HV, T, V]``, Aqk ``[HV, T, C]`` back to back in
+    the workspace dtype, then (from a 16-byte aligned offset) three fp32 ``[HV, T]`` rows per token: the
+    cumulative log-decay g, the q row scale ``scale e^g / |q|`` and the k row scale ``1 / |k|``."""
     head_major = HV.to(tl.int64) * T
-    return ws_ptr, ws_ptr + head_major * K, ws_ptr + head_major * (K + V)
+    rows_end = head_major * ((K + V + C + 7) // 8 * 8)
+    gcum_ptr = (ws_ptr + rows_end).to(tl.pointer_type(tl.float32), bitcast=True)
+    return ws_ptr, ws_ptr + head_major * K, ws_ptr + head_major * (K + V), gcum_ptr
 
 
 @triton.jit
 def _unit_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr,
-                        EXACT_PREC: tl.constexpr):
+                        EXACT_PREC: tl.constexpr, MERGE_DTYPE: tl.constexpr):
     """``(I + A)^-1`` for a strictly lower-triangular fp32 ``[C, C]`` tile (C in 16, 32, 64).
 
     Diagonal 16x16 blocks first, all four at once: by column-oriented forward substitution (15
     dependent steps, each a cross-warp reduction), or with ``DIAG_BY_PRODUCT`` by the exact finite
     series ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` (N^16 = 0 for 16-row blocks: six
     dependent dots, run at fp32 accuracy with ``EXACT_PREC``). Then block merges
-    ``T_21 = -T_22 A_21 T_11`` at 16 -> 32 and 32 -> 64 with two dots each.
+    ``T_21 = -T_22 A_21 T_11`` at 16 -> 32 and 32 -> 64 with two dots each, their operands in
+    ``MERGE_DTYPE`` (fp32 at ``DOT_PREC``, or the bf16 workspace dtype: half the registers).
     """
     rows = tl.arange(0, C)
     i = rows[:, None]
@@ -173,19 +160,45 @@ def _unit_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr, DIAG_BY_PROD
         X = tl.dot(X, eye + tl.dot(N4, N4, input_precision=EXACT_PREC), input_precision=EXACT_PREC)
     else:
         X = eye
+        sub = rows % 16
         for p in tl.static_range(15):
-            # Column p of each block is final in X's row (block start + p); subtract it from later rows.
-            a_col = tl.sum(tl.where(j == (i // 16) * 16 + p, Ad, 0.0), axis=1)  # A[i, block(i) + p]
-            x_row = tl.sum(tl.where(i == (j // 16) * 16 + p, X, 0.0), axis=0)  # X[block(c) + p, c]
-            X = X - tl.where(same16 & ((i % 16) > p), a_col[:, None] * x_row[None, :], 0.0)
+            # Ad and X are block-diagonal, so "column / row p of my own block" needs no block test; the
+            # outer product is cut back to the diagonal blocks. Column p of each block is final in X's row
+            # (block start + p) and is subtracted from the later rows (Ad[i, block + p] is 0 for i <= p).
+            a_col = tl.sum(tl.where((sub == p)[None, :], Ad, 0.0), axis=1)  # Ad[i, block(i) + p]
+            x_row = tl.sum(tl.where((sub == p)[:, None], X, 0.0), axis=0)  # X[block(c) + p, c]
+            X = X - tl.where(same16, a_col[:, None] * x_row[None, :], 0.0)
     if C > 16:
         same32 = (i // 32) == (j // 32)
-        P = tl.dot(tl.where(same32 & (i // 16 != j // 16), A, 0.0), X, input_precision=DOT_PREC)
-        X = X - tl.dot(X, P, input_precision=DOT_PREC)
+        P = tl.dot(tl.where(same32 & (i // 16 != j // 16), A, 0.0).to(MERGE_DTYPE), X.to(MERGE_DTYPE),
+                   input_precision=DOT_PREC)
+        X = X - tl.dot(X.to(MERGE_DTYPE), P.to(MERGE_DTYPE), input_precision=DOT_PREC)
         if C > 32:
-            P = tl.dot(tl.where(i // 32 != j // 32, A, 0.0), X, input_precision=DOT_PREC)
-            X = X - tl.dot(X, P, input_precision=DOT_PREC)
+            P = tl.dot(tl.where(i // 32 != j // 32, A, 0.0).to(MERGE_DTYPE), X.to(MERGE_DTYPE),
+                       input_precision=DOT_PREC)
+            X = X - tl.dot(X.to(MERGE_DTYPE), P.to(MERGE_DTYPE), input_precision=DOT_PREC)
     return X
+
+
+@triton.jit
+def _load_tile(base, row_stride, rmask, c0, D: tl.constexpr, BD: tl.constexpr):
+    """Columns ``c0 .. c0 + BD`` (of ``D``) of the rows at ``base + r * row_stride``, 0 outside ``rmask``.
+
+    The row offset is a scalar in ``base``; per-element offsets stay small 32-bit numbers, which keeps
+    address registers few (64-bit per-element offsets cost ~30 registers per tile here)."""
+    rows = tl.arange(0, rmask.shape[0])
+    cols = c0 + tl.arange(0, BD)
+    return tl.load(base + rows[:, None] * row_stride + cols[None, :], mask=_tile_mask(rmask, cols, D, D % BD == 0),
+                   other=0.0)
+
+
+@triton.jit
+def _store_tile(base, row_stride, rmask, c0, D: tl.constexpr, BD: tl.constexpr, x):
+    """Store ``x`` ``[rows, BD]`` at columns ``c0 ..`` of the rows at ``base + r * row_stride`` (see _load_tile)."""
+    rows = tl.arange(0, rmask.shape[0])
+    cols = c0 + tl.arange(0, BD)
+    tl.store(base + rows[:, None] * row_stride + cols[None, :], x.to(base.dtype.element_ty),
+             mask=_tile_mask(rmask, cols, D, D % BD == 0))
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])  # one compile serves every length and head count
@@ -193,15 +206,18 @@ def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr,
     g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     bounds_ptr,
-    ws_ptr, gcum_ptr,
+    ws_ptr,
     T, scale,
     H, HV, K: tl.constexpr, V: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
-    EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False,
+    EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
 ):
-    chunk = tl.program_id(0)
-    hv = tl.program_id(1)
+    # Value heads vary fastest: the HV / H programs of one key head and chunk run side by side and
+    # share their q / k rows through L2.
+    pid = tl.program_id(0)
+    chunk = pid // HV
+    hv = pid % HV
     h = hv // (HV // H)
     if VARLEN:
         start = tl.load(bounds_ptr + 2 * chunk)
@@ -212,51 +228,71 @@ def _chunk_prepare_kernel(
     if end > start:
         rows = tl.arange(0, C)
         t = (start + rows).to(tl.int64)
-        tmask = t < end
-        w_ptr, u_ptr, aqk_ptr = _workspace(ws_ptr, T, HV, K, V)
+        tmask = rows < end - start
         ws_dtype = ws_ptr.dtype.element_ty  # workspace and dot-operand dtype
+        w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
+        head_row = hv.to(tl.int64) * T + start  # this chunk's first row in the head-major workspace
+        q_base = q_ptr + (start.to(tl.int64) * H + h) * K
+        k_base = k_ptr + (start.to(tl.int64) * H + h) * K
+
+        # Raw K K^T, Q K^T and row sums of squares, K in column blocks: a small live set.
+        kk = tl.zeros((C, C), dtype=tl.float32)
+        qk = tl.zeros((C, C), dtype=tl.float32)
+        ssk = tl.zeros((C,), dtype=tl.float32)
+        ssq = tl.zeros((C,), dtype=tl.float32)
+        for c0 in tl.range(0, K, BKC):
+            k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
+            q = _load_tile(q_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
+            kk = tl.dot(k, tl.trans(k), acc=kk, input_precision=DOT_PREC)
+            qk = tl.dot(q, tl.trans(k), acc=qk, input_precision=DOT_PREC)
+            if USE_L2:
+                kf = k.to(tl.float32)
+                qf = q.to(tl.float32)
+                ssk += tl.sum(kf * kf, axis=1)
+                ssq += tl.sum(qf * qf, axis=1)
+        if USE_L2:
+            rk = tl.rsqrt(ssk + 1e-6)
+            rq = tl.rsqrt(ssq + 1e-6) * scale
+        else:
+            rk = tl.full((C,), 1.0, dtype=tl.float32)
+            rq = tl.full((C,), scale, dtype=tl.float32)
 
         g, beta = _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV, RAW_GATING)
         g = tl.cumsum(g, axis=0)  # chunk-local cumulative log-decay
-        tl.store(gcum_ptr + hv * T + t, g, mask=tmask)
+        # Row scales for the scan (it then feeds q and k to its dots untouched): g, |q|^-1 scale e^g, |k|^-1.
+        tl.store(gcum_ptr + head_row + rows, g, mask=tmask)
+        tl.store(gcum_ptr + HV * T + head_row + rows, rq * tl.exp(g), mask=tmask)
+        tl.store(gcum_ptr + 2 * HV * T + head_row + rows, rk, mask=tmask)
 
         i = rows[:, None]
         j = rows[None, :]
         gamma = tl.exp(tl.where(i >= j, g[:, None] - g[None, :], float("-inf")))  # exp(g_i - g_j), i >= j
+        _store_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C, qk * (rq[:, None] * rk[None, :]) * gamma)
+        A = tl.where(i > j, kk * ((beta * rk)[:, None] * rk[None, :]) * gamma, 0.0)
+        Tinv = _unit_lower_inverse(A, C, DOT_PREC, DIAG_BY_PRODUCT, EXACT_PREC,
+                                   ws_dtype if LOWP_MERGE else tl.float32)
 
-        k = _load_rows(k_ptr, t, tmask, h, H, K, BK).to(ws_dtype)
-        rk = _inv_l2(k, USE_L2)
-        q = _load_rows(q_ptr, t, tmask, h, H, K, BK).to(ws_dtype)
-        rq = _inv_l2(q, USE_L2) * scale
-        aqk = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * (rq[:, None] * rk[None, :]) * gamma
-        tl.store(aqk_ptr + (hv * T + t[:, None]) * C + j, aqk.to(ws_dtype), mask=tmask[:, None])
-
-        A = tl.dot(k, tl.trans(k), input_precision=DOT_PREC)
-        A = tl.where(i > j, A * ((beta * rk)[:, None] * rk[None, :]) * gamma, 0.0)
-        Tinv = _unit_lower_inverse(A, C, DOT_PREC, DIAG_BY_PRODUCT, EXACT_PREC)
-
-        # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V: the diagonals scale T's columns.
-        kcols = tl.arange(0, BK)
-        w = tl.dot((Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype), k, input_precision=DOT_PREC)
-        tl.store(w_ptr + (hv * T + t[:, None]) * K + kcols[None, :], w.to(ws_dtype),
-                 mask=_tile_mask(tmask, kcols, K, BK == K))
-
-        vcols = tl.arange(0, BV)
-        vmask = _tile_mask(tmask, vcols, V, BV == V)
-        v = tl.load(v_ptr + (t[:, None] * HV + hv) * V + vcols[None, :], mask=vmask, other=0.0).to(ws_dtype)
-        u = tl.dot((Tinv * beta[None, :]).to(ws_dtype), v, input_precision=DOT_PREC)
-        tl.store(u_ptr + (hv * T + t[:, None]) * V + vcols[None, :], u.to(ws_dtype), mask=vmask)
+        # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V, in column blocks (k, v re-read from L1/L2).
+        tw = (Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype)
+        for c0 in tl.range(0, K, BKC):
+            k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
+            _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tw, k, input_precision=DOT_PREC))
+        tu = (Tinv * beta[None, :]).to(ws_dtype)
+        v_base = v_ptr + (start.to(tl.int64) * HV + hv) * V
+        for c0 in tl.range(0, V, BVC):
+            v = _load_tile(v_base, HV * V, tmask, c0, V, BVC).to(ws_dtype)
+            _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(tu, v, input_precision=DOT_PREC))
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV"])
 def _chunk_scan_kernel(
-    q_ptr, k_ptr, ws_ptr, gcum_ptr, o_ptr,
+    q_ptr, k_ptr, ws_ptr, o_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
-    T, scale, pool_slot_stride,
+    T, pool_slot_stride,
     H, HV, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
-    HAS_INIT_FLAGS: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     vb = tl.program_id(0)
     nh = tl.program_id(1)
@@ -269,7 +305,7 @@ def _chunk_scan_kernel(
     else:
         seq_start = tl.zeros((), dtype=tl.int64)
         seq_end = seq_start + T
-    w_ptr, u_ptr, aqk_ptr = _workspace(ws_ptr, T, HV, K, V)
+    w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
     ws_dtype = ws_ptr.dtype.element_ty
 
     kcols = tl.arange(0, BK)
@@ -294,27 +330,26 @@ def _chunk_scan_kernel(
 
     rows = tl.arange(0, C)
     for chunk_start in range(seq_start, seq_end, C):
-        t = chunk_start + rows
-        tmask = t < seq_end
-        last = tl.minimum(chunk_start + C, seq_end) - 1
-        g = tl.load(gcum_ptr + hv * T + t, mask=tmask, other=0.0)
-        g_last = tl.load(gcum_ptr + hv * T + last)
+        tmask = rows < seq_end - chunk_start
+        head_row = hv.to(tl.int64) * T + chunk_start  # this chunk's first row in the head-major workspace
+        g = tl.load(gcum_ptr + head_row + rows, mask=tmask, other=0.0)
+        g_last = tl.load(gcum_ptr + head_row + tl.minimum(C, seq_end - chunk_start) - 1)
+        q_scale = tl.load(gcum_ptr + HV * T + head_row + rows, mask=tmask, other=0.0)
+        k_scale = tl.load(gcum_ptr + 2 * HV * T + head_row + rows, mask=tmask, other=0.0)
 
-        q = _load_rows(q_ptr, t, tmask, h, H, K, BK).to(ws_dtype)
-        k = _load_rows(k_ptr, t, tmask, h, H, K, BK).to(ws_dtype)
-        w = tl.load(w_ptr + (hv * T + t[:, None]) * K + kcols[None, :], mask=_tile_mask(tmask, kcols, K, BK == K),
-                    other=0.0)
-        vmask = _tile_mask(tmask, vcols, V, V % BV == 0)
-        u = tl.load(u_ptr + (hv * T + t[:, None]) * V + vcols[None, :], mask=vmask, other=0.0).to(tl.float32)
-        aqk = tl.load(aqk_ptr + (hv * T + t[:, None]) * C + rows[None, :], mask=tmask[:, None], other=0.0)
+        q = _load_tile(q_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
+        k = _load_tile(k_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
+        w = _load_tile(w_ptr + head_row * K, K, tmask, 0, K, BK)
+        u = _load_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV).to(tl.float32)
+        aqk = _load_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C)
 
         # q and k go into the dots as loaded; their norms, scale and decays are row scales of the results.
         Sd = S.to(ws_dtype)
         v_new = u - tl.dot(w, Sd, input_precision=DOT_PREC)
-        o = tl.dot(q, Sd, input_precision=DOT_PREC) * (_inv_l2(q, USE_L2) * scale * tl.exp(g))[:, None]
+        o = tl.dot(q, Sd, input_precision=DOT_PREC) * q_scale[:, None]
         o = tl.dot(aqk, v_new.to(ws_dtype), acc=o, input_precision=DOT_PREC)
-        tl.store(o_ptr + (t[:, None] * HV + hv) * V + vcols[None, :], o.to(o_ptr.dtype.element_ty), mask=vmask)
-        v_scaled = (v_new * (_inv_l2(k, USE_L2) * tl.exp(g_last - g))[:, None]).to(ws_dtype)
+        _store_tile(o_ptr + (chunk_start * HV + hv) * V, HV * V, tmask, vb * BV, V, BV, o)
+        v_scaled = (v_new * (k_scale * tl.exp(g_last - g))[:, None]).to(ws_dtype)
         S = S * tl.exp(g_last) + tl.dot(tl.trans(k), v_scaled, input_precision=DOT_PREC)
 
     if POOL:
@@ -366,8 +401,10 @@ def workspace_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dty
     raise ValueError(f"triton GDN kernels take fp16, bf16 or fp32 activations, got {dtype}")
 
 
-def _scan_config(device: torch.device, N: int, HV: int, V: int, T: int, dtype: torch.dtype) -> dict:
-    """Phase-2 launch config: a tuned file entry if present, else the heuristic below.
+@functools.lru_cache(maxsize=1024)
+def _scan_config(device: torch.device, N: int, HV: int, V: int, per_seq: int, dtype: torch.dtype) -> dict:
+    """Phase-2 launch config: a tuned file entry if present, else the heuristic below. Cached: the
+    caller rounds ``per_seq`` (tokens per sequence) down to a power of two.
 
     From the H200 sweep (tuning/results/gdn_sweep_nvidia_h200.json): 64-wide V blocks win whenever
     there are >= 32 (sequence, head) pairs, even with fewer programs than SMs (48 pairs: BV 64
@@ -377,7 +414,6 @@ def _scan_config(device: torch.device, N: int, HV: int, V: int, T: int, dtype: t
     """
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
         return {"BV": _pow2(V), "num_warps": 4, "num_stages": 1}
-    per_seq = T // max(N, 1)
     tuned = _config.lookup("gdn_chunk_scan", device_facts(device)[0],
                            f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}", tokens=per_seq)
     if tuned:
@@ -387,8 +423,33 @@ def _scan_config(device: torch.device, N: int, HV: int, V: int, T: int, dtype: t
     return {"BV": BV, "num_warps": 4, "num_stages": 3 if per_seq >= 8192 else 2}
 
 
-def _prepare_config(device: torch.device) -> dict:
-    return {"num_warps": 4, "num_stages": 1}
+PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC")  # prepare_config keys that are kernel flags
+
+
+@functools.lru_cache(maxsize=64)
+def _prepare_config(device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
+    """(kernel flags, launch options) of phase 1 for this device and activation dtype."""
+    exact = "tf32x3" if device_facts(device)[2] >= (8, 0) else "ieee"
+    return {"DIAG_BY_PRODUCT": False, "LOWP_MERGE": False, "EXACT_PREC": exact}, {"num_warps": 4, "num_stages": 1}
+
+
+def _split_prepare_config(device: torch.device, dtype: torch.dtype, override: dict | None) -> tuple[dict, dict]:
+    flags, options = _prepare_config(device, dtype)
+    if override:
+        flags = {**flags, **{k: v for k, v in override.items() if k in PREPARE_CONSTEXPRS}}
+        options = {**options, **{k: v for k, v in override.items() if k not in PREPARE_CONSTEXPRS}}
+    return flags, options
+
+
+@functools.lru_cache(maxsize=64)
+def _dtypes(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype, str, int]:
+    """(workspace dtype, dot precision, workspace elements per fp32) for an activation dtype."""
+    ws_dtype, dot_prec = workspace_dtype(dtype, device)
+    return ws_dtype, dot_prec, 4 // ws_dtype.itemsize
+
+
+_launch_prepare = DirectLauncher(_chunk_prepare_kernel)
+_launch_scan = DirectLauncher(_chunk_scan_kernel)
 
 
 def gdn_chunk_prefill(
@@ -417,30 +478,29 @@ def gdn_chunk_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton implementation of :func:`qwen35.ops.gdn_chunk_prefill` (see the module docstring).
 
-    ``prepare_config`` (``num_warps``, ``num_stages``, optionally ``maxnreg`` and ``DIAG_BY_PRODUCT``)
-    and ``scan_config`` (``BV``, ``num_warps``, ``num_stages``) override the launch configs of the two
-    phases; the benchmark times variants with them.
+    ``prepare_config`` (``num_warps``, ``num_stages``, optionally ``maxnreg``, and the kernel flags
+    ``DIAG_BY_PRODUCT``, ``LOWP_MERGE``, ``EXACT_PREC``) and ``scan_config`` (``BV``, ``num_warps``,
+    ``num_stages``) override the launch configs of the two phases; the benchmark times variants with them.
+    Host cost matters here (short prompts at TP4/TP8): one workspace allocation, cached configs, and
+    kernels launched through :class:`DirectLauncher`.
     """
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
-    check_head_dims(K, V)
-    ws_dtype, dot_prec = workspace_dtype(q.dtype, q.device)
-    for name, st in (("initial_state", initial_state), ("state_pool", state_pool)):
-        if st is not None and st.dtype not in (torch.float32, torch.float64):
-            raise ValueError(f"{name} has dtype {st.dtype}; states are fp32 (fp64 accepted)")
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        check_head_dims(K, V)
     dev = q.device
+    ws_dtype, dot_prec, per_fp32 = _dtypes(dev, q.dtype)
+    for name, st in (("initial_state", initial_state), ("state_pool", state_pool)):
+        if st is not None and st.dtype is not torch.float32 and st.dtype is not torch.float64:
+            raise ValueError(f"{name} has dtype {st.dtype}; states are fp32 (fp64 accepted)")
     scale = K**-0.5 if scale is None else float(scale)
     varlen = cu_seqlens is not None
-    N = cu_seqlens.numel() - 1 if varlen else 1
+    N = cu_seqlens.shape[0] - 1 if varlen else 1
     BK, BV_full = _pow2(K), _pow2(V)
-    o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
-
-    # Phase 1: everything that does not need the running state, all chunks in parallel.
-    ws = torch.empty(HV * T * (K + V + CHUNK), dtype=ws_dtype, device=dev)  # W, U, Aqk (see _workspace)
-    gcum = torch.empty(HV, T, dtype=torch.float32, device=dev)
     if varlen:
         if isinstance(metadata, GdnChunkMetadata):
-            if metadata.cu_seqlens.data_ptr() != cu_seqlens.data_ptr() or metadata.cu_seqlens.numel() != N + 1:
+            mcu = metadata.cu_seqlens
+            if mcu is not cu_seqlens and (mcu.data_ptr() != cu_seqlens.data_ptr() or mcu.shape[0] != N + 1):
                 raise ValueError("metadata was prepared for another cu_seqlens tensor; call prepare_gdn_metadata "
                                  "on this batch's cu_seqlens")
             bounds, num_chunks = metadata.chunk_bounds, metadata.num_chunks
@@ -449,33 +509,39 @@ def gdn_chunk_prefill(
         else:
             raise ValueError(f"metadata must come from kernels_triton.prepare_gdn_metadata, got {type(metadata)}")
     else:
-        bounds, num_chunks = None, _cdiv(T, CHUNK)
-    raw = a is not None
+        bounds, num_chunks = None, -(-T // CHUNK)
+
+    o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
+    # W, U, Aqk and the fp32 per-token rows in one allocation (layout: _workspace).
+    ws = torch.empty(HV * T * ((K + V + CHUNK + 7) // 8 * 8 + 3 * per_fp32), dtype=ws_dtype, device=dev)
+
+    # Phase 1: everything that does not need the running state, all chunks in parallel.
     if num_chunks > 0 and T > 0:
-        _chunk_prepare_kernel[(num_chunks, HV)](
-            q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, gcum, T, scale,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV_full, C=CHUNK,
-            VARLEN=varlen, RAW_GATING=raw, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec,
-            EXACT_PREC="tf32x3" if device_facts(dev)[2] >= (8, 0) else "ieee",
-            **(prepare_config or _prepare_config(dev)))
+        flags, options = _split_prepare_config(dev, q.dtype, prepare_config)
+        _launch_prepare(
+            (num_chunks * HV,),
+            (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV, K, V, min(BK, 64),
+             min(BV_full, 64), CHUNK, varlen, a is not None, use_qk_l2norm, dot_prec, flags["EXACT_PREC"],
+             flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"]),
+            options)
 
     # Phase 2: the sequential pass over chunks, state in registers, output and final state written.
     pool = state_pool is not None
     final = None
     if pool:
-        h0, ht = state_pool, state_pool
+        h0 = ht = state_pool
     else:
         h0 = initial_state
         if output_final_state:
             final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
         ht = final
     if N > 0:
-        cfg = dict(scan_config or _scan_config(dev, N, HV, V, T, q.dtype))
-        BV = cfg.pop("BV")
-        _chunk_scan_kernel[(_cdiv(V, BV), N * HV)](
-            q, k, ws, gcum, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T, scale,
-            state_pool.stride(0) if pool else HV * K * V,
-            H=H, HV=HV, K=K, V=V, BK=BK, BV=BV, C=CHUNK,
-            VARLEN=varlen, STATE_IN=h0 is not None, STATE_OUT=ht is not None, POOL=pool,
-            HAS_INIT_FLAGS=has_initial_state is not None, USE_L2=use_qk_l2norm, DOT_PREC=dot_prec, **cfg)
+        options = scan_config or _scan_config(dev, N, HV, V, 1 << max(T // N, 1).bit_length() - 1, q.dtype)
+        BV = options["BV"]
+        _launch_scan(
+            (-(-V // BV), N * HV),
+            (q, k, ws, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
+             state_pool.stride(0) if pool else HV * K * V, H, HV, K, V, BK, BV, CHUNK, varlen, h0 is not None,
+             ht is not None, pool, has_initial_state is not None, dot_prec),
+            {key: val for key, val in options.items() if key != "BV"})
     return o, final

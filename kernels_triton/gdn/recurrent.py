@@ -13,11 +13,14 @@ no value-dependent allocation: the launch is CUDA-graph capturable.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
 from kernels_triton import _config
+from kernels_triton.gdn._launch import DirectLauncher
 from kernels_triton.gdn.chunk import _cdiv, _gating, _pow2, check_head_dims, device_facts
 
 
@@ -38,37 +41,40 @@ def _recurrent_step_kernel(
     kmask = kcols < K
     vmask = vcols < V
     slot = tl.load(slots_ptr + n).to(tl.int64)
+    live = slot >= 0
     row0 = n.to(tl.int64) * T  # first token row of this sequence in the flattened [B*T, ...] inputs
-    if slot < 0:
-        for t in tl.static_range(T):
-            tl.store(o_ptr + ((row0 + t) * HV + hv) * V + vcols, tl.zeros((BV,), dtype=o_ptr.dtype.element_ty),
-                     mask=vmask)
-    else:
-        s_ptrs = pool_ptr + slot * pool_slot_stride + (hv * K + kcols[:, None]) * V + vcols[None, :]
-        smask = kmask[:, None] & vmask[None, :]
-        S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
-        for t in tl.static_range(T):
-            row = row0 + t
-            g, beta = _gating(row, row >= 0, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV, RAW_GATING)
-            q = tl.load(q_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
-            k = tl.load(k_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
-            if USE_L2:
-                q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
-                k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
-            q = q * scale
-            v = tl.load(v_ptr + (row * HV + hv) * V + vcols, mask=vmask, other=0.0).to(tl.float32)
-            decay = tl.exp(g)
-            Sk = tl.sum(S * k[:, None], axis=0)
-            Sq = tl.sum(S * q[:, None], axis=0)
-            d = beta * (v - decay * Sk)
-            o = decay * Sq + d * tl.sum(k * q, axis=0)
-            tl.store(o_ptr + (row * HV + hv) * V + vcols, o.to(o_ptr.dtype.element_ty), mask=vmask)
-            S = S * decay + k[:, None] * d[None, :]
-        tl.store(s_ptrs, S.to(pool_ptr.dtype.element_ty), mask=smask)
+    # No branch on the slot: the token loads below do not wait for it, only the state load does (one
+    # dependent round trip instead of two at B = 1). Padding rows (slot < 0) load nothing from the pool,
+    # store zeros as output and leave the pool alone.
+    s_ptrs = pool_ptr + tl.maximum(slot, 0) * pool_slot_stride + (hv * K + kcols[:, None]) * V + vcols[None, :]
+    smask = kmask[:, None] & vmask[None, :] & live
+    S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
+    for t in tl.static_range(T):
+        row = row0 + t
+        g, beta = _gating(row, row >= 0, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV, RAW_GATING)
+        q = tl.load(q_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
+        if USE_L2:
+            q = q * tl.rsqrt(tl.sum(q * q, axis=0) + 1e-6)
+            k = k * tl.rsqrt(tl.sum(k * k, axis=0) + 1e-6)
+        q = q * scale
+        v = tl.load(v_ptr + (row * HV + hv) * V + vcols, mask=vmask, other=0.0).to(tl.float32)
+        decay = tl.exp(g)
+        Sk = tl.sum(S * k[:, None], axis=0)
+        Sq = tl.sum(S * q[:, None], axis=0)
+        d = beta * (v - decay * Sk)
+        o = tl.where(live, decay * Sq + d * tl.sum(k * q, axis=0), 0.0)
+        tl.store(o_ptr + (row * HV + hv) * V + vcols, o.to(o_ptr.dtype.element_ty), mask=vmask)
+        S = S * decay + k[:, None] * d[None, :]
+    tl.store(s_ptrs, S.to(pool_ptr.dtype.element_ty), mask=smask)
 
 
+_launch_step = DirectLauncher(_recurrent_step_kernel)
+
+
+@functools.lru_cache(maxsize=1024)
 def _step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
-    """V block and warps: a tuned file entry if present, else the heuristic below.
+    """V block and warps: a tuned file entry if present, else the heuristic below (cached per batch size).
 
     From the H200 sweep (tuning/results/gdn_sweep_nvidia_h200.json), by (row, head) pairs:
     >= 1024 pairs: 64-wide blocks, 4 warps (4.0-4.1 TB/s at B >= 128); a few hundred: 32-wide,
@@ -112,11 +118,12 @@ def gdn_recurrent_step(
     o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
     if B == 0:
         return o
-    cfg = dict(step_config or _step_config(q.device, B, HV, V))
-    BV = cfg.pop("BV")
-    _recurrent_step_kernel[(_cdiv(V, BV), B * HV)](
-        q, k, v, g, beta, a, b, A_log, dt_bias, state_pool, state_slots, o,
-        K**-0.5 if scale is None else float(scale), state_pool.stride(0),
-        T=T, H=H, HV=HV, K=K, V=V, BK=_pow2(K), BV=BV,
-        RAW_GATING=a is not None, USE_L2=use_qk_l2norm, **cfg)
+    cfg = step_config or _step_config(q.device, B, HV, V)
+    BV = cfg["BV"]
+    _launch_step(
+        (_cdiv(V, BV), B * HV),
+        (q, k, v, g, beta, a, b, A_log, dt_bias, state_pool, state_slots, o,
+         K**-0.5 if scale is None else float(scale), state_pool.stride(0), T, H, HV, K, V, _pow2(K), BV,
+         a is not None, use_qk_l2norm),
+        {key: val for key, val in cfg.items() if key != "BV"})
     return o
