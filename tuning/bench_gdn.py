@@ -9,7 +9,8 @@ bf16 matmul ceiling. Decode rows are timed through CUDA graphs; their roofline i
 traffic (read + write of fp32 state) against the measured copy bandwidth. Host cost per call
 is the CPU wall time of back-to-back calls on a tiny prefill (the GPU is idle-bound there).
 
-``python -m tuning.bench_gdn --out DIR [--quick] [--sweep] [--no-fla]``. Reports, never asserts.
+``python -m tuning.bench_gdn --out DIR [--quick] [--sweep] [--no-fla] [--tag T]``; before a sweep,
+``--warm N`` for every variant N in parallel processes fills Triton's cache. Reports, never asserts.
 """
 
 from __future__ import annotations
@@ -176,17 +177,35 @@ def bench_prefill(fla, args, ceil: dict, rows: list[dict], deadline: float, save
 
 
 def bench_host(fla, rows: list[dict], deadline: float) -> None:
+    """CPU time per prefill call at T=64 (GPU idle-bound): as shipped (kernels launched directly after their
+    first call), through Triton's JIT launch path, with the launches left out (wrapper and allocations), and
+    FLA's when it is there."""
     import kernels_triton as kt
+    from kernels_triton.gdn import _launch, chunk
 
     for hname in ("27B-TP4", "397B-TP8"):
         H, HV = HEADS[hname]
         d = _prefill_inputs([64], H, HV)
         meta = kt.prepare_gdn_metadata(d["cu"])
-        ours = host_us_per_call(_ours_prefill(d, meta))
+        fn = _ours_prefill(d, meta)
+        ours = host_us_per_call(fn)
+        key = _launch.DirectLauncher.key
+        _launch.DirectLauncher.key = lambda self, args: None  # every launch through the JIT
+        try:
+            jit = host_us_per_call(fn)
+        finally:
+            _launch.DirectLauncher.key = key
+        launchers = chunk._launch_prepare, chunk._launch_scan
+        chunk._launch_prepare = chunk._launch_scan = lambda grid, args, options: None
+        try:
+            wrapper = host_us_per_call(fn)
+        finally:
+            chunk._launch_prepare, chunk._launch_scan = launchers
         theirs = host_us_per_call(_fla_prefill(fla, d)) if fla is not None and time.time() < deadline else None
         rows.append(_bench.row("gdn_chunk_prefill host cost", f"{hname} T=64", "bfloat16", ours / 1e3,
                                "fla.chunk_gated_delta_rule" if theirs else None,
                                None if theirs is None else theirs / 1e3, host_us=round(ours, 1),
+                               host_us_jit_launch=round(jit, 1), host_us_no_launch=round(wrapper, 1),
                                anchor_host_us=None if theirs is None else round(theirs, 1)))
         print(_line(rows[-1]), flush=True)
 
@@ -204,7 +223,6 @@ def _decode_inputs(B: int, H: int, HV: int, seed: int = 0) -> dict:
 
 
 def bench_decode(fla, args, ceil: dict, rows: list[dict], save=lambda: None) -> None:
-    import kernels_triton as kt
 
     for hname, (H, HV) in HEADS.items():
         for B in DECODE_BATCHES:
@@ -212,10 +230,7 @@ def bench_decode(fla, args, ceil: dict, rows: list[dict], save=lambda: None) -> 
                 continue
             try:
                 d = _decode_inputs(B, H, HV)
-                ours = lambda d=d: kt.gdn_recurrent_step(  # noqa: E731
-                    d["q"], d["k"], d["v"], state_pool=d["pool"], state_slots=d["slots"], a=d["a"], b=d["b"],
-                    A_log=d["A_log"], dt_bias=d["dt_bias"], use_qk_l2norm=True)
-                ours_ms = _bench.time_graph_ms(ours)
+                ours_ms = _bench.time_graph_ms(_decode_fn(d))
                 anchor_ms = None
                 if fla is not None:
                     try:
@@ -243,30 +258,72 @@ def bench_decode(fla, args, ceil: dict, rows: list[dict], save=lambda: None) -> 
                                        error=f"{type(e).__name__}: {str(e)[:300]}"))
 
 
-SWEEP_PREFILL = {  # shapes whose best scan config differs most: many heads, few heads, long/short seqs
+SWEEP_PREFILL = {  # shapes whose best configs differ most: many heads, few heads, long/short seqs
     "27B-TP1 1x32768": ("27B-TP1", [32768]),
     "397B-TP8 1x65536": ("397B-TP8", [65536]),
     "27B-TP4 8x4096": ("27B-TP4", [4096] * 8),
     "27B-TP1 64x512": ("27B-TP1", [512] * 64),
 }
+# Prepare variants: register caps trade spills for resident CTAs (the kernel is latency-bound); the 16-row
+# diagonal inverse by substitution or by the finite product series (tf32x3 or plain tf32 dots); block
+# merges with bf16 operands.
+PREPARE_VARIANTS = [
+    {"num_warps": 4, "num_stages": 1},
+    {"num_warps": 4, "num_stages": 1, "maxnreg": 168},
+    {"num_warps": 4, "num_stages": 1, "maxnreg": 128},
+    {"num_warps": 8, "num_stages": 1},
+    {"num_warps": 8, "num_stages": 1, "maxnreg": 128},
+    {"num_warps": 4, "num_stages": 1, "DIAG_BY_PRODUCT": True},
+    {"num_warps": 4, "num_stages": 1, "DIAG_BY_PRODUCT": True, "EXACT_PREC": "tf32"},
+    {"num_warps": 4, "num_stages": 1, "DIAG_BY_PRODUCT": True, "EXACT_PREC": "tf32", "maxnreg": 168},
+    {"num_warps": 4, "num_stages": 1, "LOWP_MERGE": True},
+    {"num_warps": 4, "num_stages": 1, "LOWP_MERGE": True, "maxnreg": 168},
+]
+SCAN_VARIANTS = [{"BV": bv, "num_warps": 4, "num_stages": st} for bv in (16, 32, 64) for st in (2, 3)]
+DECODE_VARIANTS = [{"BV": bv, "num_warps": w} for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4),
+                                                             (64, 2), (64, 4), (128, 4), (128, 8))]
+DECODE_SWEEP = (("27B-TP1", 1), ("35B-A3B-TP1", 1), ("27B-TP4", 1), ("397B-TP8", 128), ("27B-TP1", 128))
+
+
+def all_variants() -> list[tuple[str, dict]]:
+    return ([("prepare", c) for c in PREPARE_VARIANTS] + [("scan", c) for c in SCAN_VARIANTS]
+            + [("decode", c) for c in DECODE_VARIANTS])
+
+
+def _decode_fn(d: dict, cfg: dict | None = None):
+    import kernels_triton as kt
+
+    return lambda: kt.gdn_recurrent_step(
+        d["q"], d["k"], d["v"], state_pool=d["pool"], state_slots=d["slots"], a=d["a"], b=d["b"],
+        A_log=d["A_log"], dt_bias=d["dt_bias"], use_qk_l2norm=True, step_config=cfg)
+
+
+def warm(index: int) -> None:
+    """Compile variant ``index`` of :func:`all_variants` on a tiny input (same specialisation as the sweep):
+    several of these run in parallel processes before a sweep, which then finds every kernel in Triton's cache."""
+    import kernels_triton as kt
+
+    phase, cfg = all_variants()[index]
+    if phase == "decode":
+        _decode_fn(_decode_inputs(2, 2, 8), cfg)()
+    else:
+        d = _prefill_inputs([64, 64], 2, 8)
+        _ours_prefill(d, kt.prepare_gdn_metadata(d["cu"]), **{f"{phase}_config": cfg})()
+    torch.cuda.synchronize()
 
 
 def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
-    """Time launch-config variants: scan BV x warps x stages, prepare warps, decode BV x warps."""
+    """GPU kernel time (torch.profiler) of every prepare and scan variant on the sweep shapes, and decode
+    variants through CUDA graphs."""
     import kernels_triton as kt
 
     for label, (hname, lens) in SWEEP_PREFILL.items():
         H, HV = HEADS[hname]
         d = _prefill_inputs(lens, H, HV)
         meta = kt.prepare_gdn_metadata(d["cu"])
-        variants = [("scan", {"BV": bv, "num_warps": w, "num_stages": s})
-                    for bv in (16, 32, 64) for w in (4, 8) for s in (2, 3)]
-        # prepare is occupancy-bound (255 registers: 2 CTAs/SM); capping registers trades spills for CTAs.
-        # The 16-row diagonal inverse by substitution (default) or by the finite series (fewer barriers).
-        variants += [("prepare", {"num_warps": w, "num_stages": 1, **({"maxnreg": r} if r else {}),
-                                  **({"DIAG_BY_PRODUCT": True} if product else {})})
-                     for w, r, product in ((4, None, False), (8, None, False), (4, 168, False), (4, 128, False),
-                                           (4, None, True), (4, 168, True))]
+        variants = [("prepare", c) for c in PREPARE_VARIANTS]
+        if label in ("27B-TP1 1x32768", "397B-TP8 1x65536"):
+            variants += [("scan", c) for c in SCAN_VARIANTS]
         for phase, cfg in variants:
             if time.time() > deadline:
                 print("sweep: deadline reached", flush=True)
@@ -283,28 +340,21 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
             save()
         del d
         torch.cuda.empty_cache()
-    for hname in ("27B-TP1", "397B-TP8"):
+    for hname, B in DECODE_SWEEP:
         H, HV = HEADS[hname]
-        for B in (1, 32, 128, 512):
-            d = _decode_inputs(B, H, HV)
-            for bv in (8, 16, 32, 64):
-                for w in (1, 2, 4, 8):
-                    if time.time() > deadline:
-                        return
-                    cfg = {"BV": bv, "num_warps": w}
-                    try:
-                        fn = lambda d=d, cfg=cfg: kt.gdn_recurrent_step(  # noqa: E731
-                            d["q"], d["k"], d["v"], state_pool=d["pool"], state_slots=d["slots"], a=d["a"], b=d["b"],
-                            A_log=d["A_log"], dt_bias=d["dt_bias"], use_qk_l2norm=True, step_config=cfg)
-                        ms = _bench.time_graph_ms(fn)
-                        rows.append({"sweep": "decode", "shape": f"{hname} B={B}", "config": cfg,
-                                     "us": round(ms * 1e3, 2),
-                                     "state_GBps": round(2 * B * HV * K * V * 4 / ms / 1e6)})
-                    except Exception as e:  # noqa: BLE001
-                        rows.append({"sweep": "decode", "shape": f"{hname} B={B}", "config": cfg,
-                                     "error": f"{type(e).__name__}: {e}"[:300]})
-                    print(rows[-1], flush=True)
-                    save()
+        d = _decode_inputs(B, H, HV)
+        for cfg in DECODE_VARIANTS:
+            if time.time() > deadline:
+                return
+            try:
+                ms = _bench.time_graph_ms(_decode_fn(d, cfg))
+                rows.append({"sweep": "decode", "shape": f"{hname} B={B}", "config": cfg, "us": round(ms * 1e3, 2),
+                             "state_GBps": round(2 * B * HV * K * V * 4 / ms / 1e6)})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"sweep": "decode", "shape": f"{hname} B={B}", "config": cfg,
+                             "error": f"{type(e).__name__}: {e}"[:300]})
+            print(rows[-1], flush=True)
+            save()
 
 
 def dump_fla_autotune(path: Path) -> int:
@@ -347,17 +397,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fla-deadline", type=float, default=1e9,
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
+    parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
+    parser.add_argument("--warm", type=int, default=None,
+                        help="only compile variant N of the sweep (run several in parallel before a sweep)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_gdn needs a CUDA device", file=sys.stderr)
         return 2
+    if args.warm is not None:
+        warm(args.warm)
+        return 0
     start = time.time()
     torch.set_grad_enabled(False)
     ceil = _bench.ceilings()
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 matmul {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     fla = None if args.no_fla else _fla()
     rows: list[dict] = []
-    name = "gdn_" + _bench.device_name().lower().replace(" ", "_")
+    tag = f"{args.tag}_" if args.tag else ""
+    name = f"gdn_{tag}" + _bench.device_name().lower().replace(" ", "_")
     meta = {"ceilings": ceil, "flop_per_token_head": flop_per_token_head(), "quick": args.quick,
             "ours": "raw gating + L2 + h0/final state + metadata",
             "anchor": "FLA g/beta precomputed, qk-l2norm in kernel, h0/final state, chunk indices precomputed"}
@@ -366,6 +423,11 @@ def main(argv: list[str] | None = None) -> int:
         meta["wall_s"] = round(time.time() - start)
         return _bench.write_results(args.out, name, rows, meta)
 
+    if args.sweep:  # first: its configs are what the rest is judged by, and it is deadline-bound
+        sweep_rows: list[dict] = []
+        sweep(args, sweep_rows, start + args.sweep_deadline,
+              lambda: _bench.write_results(args.out, f"gdn_sweep_{tag}" + name[len(f"gdn_{tag}"):], sweep_rows,
+                                           {"ceilings": ceil}))
     bench_decode(fla, args, ceil, rows, save)
     bench_prefill(fla, args, ceil, rows, start + args.fla_deadline, save)
     try:
@@ -376,10 +438,6 @@ def main(argv: list[str] | None = None) -> int:
     if fla is not None:
         n = dump_fla_autotune(Path(args.out) / "fla_autotune.json")
         print(f"FLA autotune configs of {n} kernels -> {Path(args.out) / 'fla_autotune.json'}")
-    if args.sweep:
-        sweep_rows: list[dict] = []
-        sweep(args, sweep_rows, start + args.sweep_deadline,
-              lambda: _bench.write_results(args.out, "gdn_sweep", sweep_rows, {"ceilings": ceil}))
     cols = ["op", "shape", "ours_ms", "anchor_ms", "speedup", "tokens_per_s", "tflops", "state_GBps",
             "roofline_pct", "host_us", "anchor_host_us"]
     print(_bench.format_table([r for r in rows if "error" not in r], cols))

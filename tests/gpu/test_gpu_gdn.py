@@ -102,20 +102,43 @@ def test_prefill_decay_extremes_initial_state(decay):
     assert_close(ht, rht, TOL[torch.float32], f"final state, {decay} decay")
 
 
-@pytest.mark.parametrize("by_product", [False, True])
-def test_prefill_diagonal_inverse_variants_correlated_keys(by_product):
-    """Both ways of inverting the 16-row diagonal blocks, with all-positive keys (as after the conv's
-    SiLU: strongly correlated, the hard case for the inverse) and weak decay."""
+PREPARE_VARIANTS = {  # the tuning variants of the prepare kernel (see tuning/bench_gdn.py)
+    "substitution": {},
+    "product_tf32x3": {"DIAG_BY_PRODUCT": True},
+    "product_tf32": {"DIAG_BY_PRODUCT": True, "EXACT_PREC": "tf32"},
+    "bf16_merges": {"LOWP_MERGE": True},
+    "maxnreg_168": {"maxnreg": 168},
+}
+
+
+@pytest.mark.parametrize("variant", list(PREPARE_VARIANTS))
+def test_prefill_prepare_variants_correlated_keys(variant):
+    """Every prepare variant with all-positive keys (as after the conv's SiLU: strongly correlated, the hard
+    case for the inverse) and weak decay."""
     lens, H, HV, K, V = [8192, 777], 4, 12, 128, 128
     d = _gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, raw=False, decay="weak", seed=19)
     d["k"] = d["k"].abs() + 0.5
     cu = cu_from_lens(lens, DEV)
-    cfg = {"num_warps": 4, "num_stages": 1, "DIAG_BY_PRODUCT": by_product}
+    cfg = {"num_warps": 4, "num_stages": 1, **PREPARE_VARIANTS[variant]}
     o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True,
                                  prepare_config=cfg)
     ro, rht = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True)
     assert_close(o, ro, TOL[torch.bfloat16], "output")
     assert_close(ht, rht, TOL[torch.bfloat16], "final state")
+
+
+def test_prefill_direct_launch_matches_jit_launch():
+    """Calls after the first launch the compiled kernels directly; a view that is not 16-byte aligned goes
+    through the JIT again (another specialisation). All three give the same output."""
+    T, H, HV, K, V = 700, 4, 12, 128, 128
+    d = _gdn_inputs(T, H, HV, K, V, torch.bfloat16, seed=21)
+    first, _ = kt.gdn_chunk_prefill(**d, use_qk_l2norm=True)
+    again, _ = kt.gdn_chunk_prefill(**d, use_qk_l2norm=True)
+    assert torch.equal(first, again)
+    shifted = torch.empty(T * H * K + 1, dtype=torch.bfloat16, device=DEV)[1:].view(T, H, K)
+    shifted.copy_(d["q"])
+    moved, _ = kt.gdn_chunk_prefill(**dict(d, q=shifted), use_qk_l2norm=True)
+    assert torch.equal(moved, first)
 
 
 def test_continuation_across_calls_then_decode():
