@@ -21,10 +21,12 @@ What a host supplies (:class:`Host`), so the model never knows which one runs it
 - ``gdn_state(...)``: the state caches of one GDN layer. ``run(core, qkv, a, b, out)`` hands the
   layer's :meth:`GatedDeltaNet.core` a :class:`GDNStep` (conv pool, recurrent-state pool and the
   batch layout) for this forward; the vLLM host routes that call through an opaque custom op.
+  ``qkv`` is a flat buffer holding the q, k and v planes; hosts pass it through untouched.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -144,6 +146,9 @@ class Shards:
         )
 
 
+ROW_BLOCK_PROJ_MIN_TOKENS = 512  # GDN input projection: one matmul per row block from this many tokens
+
+
 def _param(*shape: int, dtype: torch.dtype | None, device=None) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype, device=device), requires_grad=False)
 
@@ -211,14 +216,13 @@ class Rotary:
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[T, heads, D]``; rotates the first ``dim`` dims (halves paired), passes the rest through."""
+    def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x ``[T, heads, D]``, rotated in place on its first ``dim`` dims (halves paired, fp32 math); returns x."""
         half = self.dim // 2
-        xf = x[..., : self.dim].to(torch.float32)
-        x1, x2 = xf[..., :half], xf[..., half:]
+        x1, x2 = x[..., :half].float(), x[..., half:self.dim].float()
         c, s = cos[:, None, :], sin[:, None, :]
-        rotated = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
-        return torch.cat([rotated, x[..., self.dim:]], dim=-1)
+        x[..., :half], x[..., half:self.dim] = x1 * c - x2 * s, x2 * c + x1 * s
+        return x
 
 
 # ----------------------------------------------------------------------------- token mixers
@@ -228,7 +232,11 @@ class GatedDeltaNet(nn.Module):
     """Linear attention: projections -> causal conv1d -> gated delta rule -> gated RMSNorm -> out proj.
 
     ``in_proj`` stacks this rank's rows of HF's in_proj_qkv (q, k, v heads), in_proj_z,
-    in_proj_b and in_proj_a, so one matmul feeds the layer.
+    in_proj_b and in_proj_a. The kernels read q, k and v as three planes of one buffer (``qkv``
+    below), each convolved on its own channels, so that no copy sits between the convolution and
+    the delta rule. Long inputs multiply by row blocks of ``in_proj``, landing every product
+    contiguous (slicing the columns of one wide product costs five strided copies per layer, about
+    a tenth of a 1x8192 prefill); a few tokens take one product and small copies (fewer launches).
     """
 
     def __init__(self, cfg: Qwen35Config, layer_idx: int, sh: Shards, host: Host, *, dtype, device):
@@ -237,8 +245,10 @@ class GatedDeltaNet(nn.Module):
         self.K, self.V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.eps = cfg.rms_norm_eps
         self.conv_dim = 2 * self.H * self.K + self.HV * self.V
-        self.splits = [self.conv_dim, self.HV * self.V, self.HV, self.HV]  # qkv | z | b | a
-        self.in_proj = Linear(cfg.hidden_size, sum(self.splits), dtype=dtype, device=device)
+        self.planes = [self.H * self.K, self.H * self.K, self.HV * self.V]  # q | k | v channels
+        self.channel_ranges = list(itertools.pairwise(itertools.accumulate(self.planes, initial=0)))
+        self.in_proj = Linear(cfg.hidden_size, self.conv_dim + self.HV * self.V + 2 * self.HV,
+                              dtype=dtype, device=device)  # rows: q | k | v | z | b | a
         self.conv1d_weight = _param(self.conv_dim, cfg.linear_conv_kernel_dim, dtype=dtype, device=device)
         self.A_log = _param(self.HV, dtype=torch.float32, device=device)
         self.dt_bias = _param(self.HV, dtype=torch.float32, device=device)
@@ -249,36 +259,58 @@ class GatedDeltaNet(nn.Module):
                                     (self.HV, self.K, self.V), conv_dtype)
 
     def forward(self, x: torch.Tensor, rope: object = None) -> torch.Tensor:
-        T = x.shape[0]
-        qkv, z, b, a = self.in_proj(x).split(self.splits, dim=-1)
+        T, c, zv, w = x.shape[0], self.conv_dim, self.HV * self.V, self.in_proj.weight
+        qkv = x.new_empty(T * c)  # q, k, v planes back to back, each [T, channels] contiguous
+        planes = self._planes(qkv, T)
+        if T >= ROW_BLOCK_PROJ_MIN_TOKENS:
+            for (lo, hi), plane in zip(self.channel_ranges, planes, strict=True):
+                torch.matmul(x, w[lo:hi].t(), out=plane)
+            z, ba = F.linear(x, w[c:c + zv]), F.linear(x, w[c + zv:])
+        else:
+            y = self.in_proj(x)
+            for (lo, hi), plane in zip(self.channel_ranges, planes, strict=True):
+                plane.copy_(y[:, lo:hi])
+            z, ba = y[:, c:c + zv].contiguous(), y[:, c + zv:]
         out = torch.zeros(T, self.HV, self.V, dtype=x.dtype, device=x.device)
-        self.state.run(self.core, qkv.contiguous(), a.contiguous(), b.contiguous(), out)
-        out = ops.rms_norm_gated(out, z.reshape(T, self.HV, self.V).contiguous(), self.norm_weight, self.eps)
+        self.state.run(self.core, qkv, ba[:, self.HV:].contiguous(), ba[:, :self.HV].contiguous(), out)
+        out = ops.rms_norm_gated(out, z.view(T, self.HV, self.V), self.norm_weight, self.eps)
         return self.out_proj(out.view(T, -1))
 
-    def _heads(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = x.split([self.H * self.K, self.H * self.K, self.HV * self.V], dim=-1)
-        n = x.shape[0]
-        return (q.reshape(n, self.H, self.K).contiguous(), k.reshape(n, self.H, self.K).contiguous(),
-                v.reshape(n, self.HV, self.V).contiguous())
+    def _planes(self, qkv: torch.Tensor, T: int) -> list[torch.Tensor]:
+        """Views ``[T, channels]`` of the q, k and v planes of a flat ``qkv`` buffer."""
+        return [p.view(T, n) for p, n in zip(qkv.split([T * n for n in self.planes]), self.planes, strict=True)]
+
+    def _conv(self, planes: list[torch.Tensor], step: GDNStep, rows: slice, decode: bool) -> list[torch.Tensor]:
+        """Causal conv of each plane's ``rows`` over its own channels (and its channels of the conv pool)."""
+        outs = []
+        for (lo, hi), plane in zip(self.channel_ranges, planes, strict=True):
+            pool, weight = step.conv_pool[:, lo:hi], self.conv1d_weight[lo:hi]
+            if decode:
+                outs.append(ops.causal_conv1d_update(plane[rows], weight, conv_pool=pool, conv_slots=step.decode_slots))
+            else:
+                outs.append(ops.causal_conv1d_prefill(
+                    plane[rows], weight, cu_seqlens=step.prefill_cu_seqlens, conv_pool=pool,
+                    conv_slots=step.prefill_slots, has_initial_state=step.prefill_has_initial_state))
+        q, k, v = outs
+        n = q.shape[0]
+        return [q.view(n, self.H, self.K), k.view(n, self.H, self.K), v.view(n, self.HV, self.V)]
 
     def core(self, step: GDNStep, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        """Conv + delta rule for one forward, writing ``out [T, HV, V]`` in place (decode rows, then prefills)."""
+        """Conv + delta rule for one forward, writing ``out [T, HV, V]`` in place (decode rows, then prefills).
+
+        ``qkv`` is the flat buffer of the q, k and v planes (see :meth:`forward`); ``a``, ``b`` ``[T, HV]``.
+        """
+        planes = self._planes(qkv, a.shape[0])
         nd = step.num_decodes
         if nd:
-            x = ops.causal_conv1d_update(qkv[:nd], self.conv1d_weight, conv_pool=step.conv_pool,
-                                         conv_slots=step.decode_slots)
-            q, k, v = self._heads(x)
+            q, k, v = self._conv(planes, step, slice(0, nd), decode=True)
             o = ops.gdn_recurrent_step(
                 q[:, None], k[:, None], v[:, None], state_pool=step.state_pool, state_slots=step.decode_slots,
                 a=a[:nd, None], b=b[:nd, None], A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm=True)
             out[:nd] = o[:, 0]
         if step.num_prefill_tokens:
             s, e = nd, nd + step.num_prefill_tokens
-            x = ops.causal_conv1d_prefill(qkv[s:e], self.conv1d_weight, cu_seqlens=step.prefill_cu_seqlens,
-                                          conv_pool=step.conv_pool, conv_slots=step.prefill_slots,
-                                          has_initial_state=step.prefill_has_initial_state)
-            q, k, v = self._heads(x)
+            q, k, v = self._conv(planes, step, slice(s, e), decode=False)
             o, _ = ops.gdn_chunk_prefill(
                 q, k, v, a=a[s:e], b=b[s:e], A_log=self.A_log, dt_bias=self.dt_bias,
                 cu_seqlens=step.prefill_cu_seqlens, state_pool=step.state_pool, state_slots=step.prefill_slots,
@@ -312,9 +344,9 @@ class GatedAttention(nn.Module):
         q = ops.rms_norm_zero_centered(q.contiguous(), self.q_norm_weight, self.eps)
         k = ops.rms_norm_zero_centered(k.reshape(T, self.KV, self.D).contiguous(), self.k_norm_weight, self.eps)
         rotary, cos, sin = rope
-        q, k = rotary.apply(q, cos, sin), rotary.apply(k, cos, sin)
+        q, k = rotary.apply_(q, cos, sin), rotary.apply_(k, cos, sin)  # q, k are the norms' fresh outputs
         o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.contiguous())
-        o = o.view(T, self.H, self.D) * torch.sigmoid(gate)
+        o = o.view(T, self.H, self.D).mul_(torch.sigmoid(gate))
         return self.o_proj(o.reshape(T, -1))
 
 

@@ -138,6 +138,33 @@ def test_conditional_generation_layout_matches_causal_lm(tmp_path, caplog):
     assert torch.equal(la, lb)
 
 
+def test_gdn_projection_paths_agree(moe_ckpt, monkeypatch):
+    """The GDN input projection by row blocks (long inputs) and as one product plus copies (few tokens)
+    give the same logits, over a prefill and decode steps."""
+    import qwen35.model
+
+    (prompt,) = _prompts([40])
+    runs = []
+    for threshold in (1, 10**9):
+        monkeypatch.setattr(qwen35.model, "ROW_BLOCK_PROJ_MIN_TOKENS", threshold)
+        m = Qwen35Standalone.from_pretrained(moe_ckpt, max_seqs=1, max_len=64)
+        runs.append(_alone(m, prompt, [3, 4]))
+    for j, (a, b) in enumerate(zip(*runs, strict=True)):
+        assert rel_err(a, b) <= TOL, f"logits {j}: rel err {rel_err(a, b):.3e}"
+
+
+def test_padded_prefill_attention_matches_exact(dense_ckpt):
+    """A fresh prompt's attention padded to the next PREFILL_BUCKET (room in the cache) = unpadded."""
+    from qwen35.standalone import PREFILL_BUCKET
+
+    (prompt,) = _prompts([70])
+    padded = Qwen35Standalone.from_pretrained(dense_ckpt, max_seqs=1, max_len=PREFILL_BUCKET)
+    exact = Qwen35Standalone.from_pretrained(dense_ckpt, max_seqs=1, max_len=72)  # no room: not padded
+    a = padded.step(padded.allocate(1), [prompt], all_logits=True)
+    b = exact.step(exact.allocate(1), [prompt], all_logits=True)
+    assert rel_err(a, b) <= TOL, f"padded prefill: rel err {rel_err(a, b):.3e}"
+
+
 def test_bad_requests_raise_clear_errors(dense_ckpt):
     m = Qwen35Standalone.from_pretrained(dense_ckpt, max_seqs=2, max_len=16)
     with pytest.raises(ValueError, match="only 2 of 2 slots are free"):
