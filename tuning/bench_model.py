@@ -251,7 +251,7 @@ def decode_rows(ours, B: int, ctx: int, copy_gbps: float) -> list[dict]:
 
 # ----------------------------------------------------------------------------- --profile
 
-PROFILE_PREFILLS = [(1, 8192)]
+PROFILE_PREFILLS = [(1, 8192), (8, 4096)]
 PROFILE_DECODES = [1, 16]
 RANGE = "q35|"  # prefix of the profiler ranges the breakdown attributes kernels to
 
@@ -531,6 +531,7 @@ def profile_main(args) -> int:
                 print(f"[{time.time() - t0:.0f}s] {r['shape']} {r.get('mode')}: {r['ours_ms']} ms, {r['tok_s']} tok/s",
                       flush=True)
         print(f"[{time.time() - t0:.0f}s] timed rows done", flush=True)
+    if args.sdpa:
         doc["sdpa"] = sdpa_diagnostics()
     path = save()
     if doc["timed"]:
@@ -552,7 +553,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true",
                     help="our model only (random weights): torch.profiler breakdown of a 1x8192 prefill and eager "
                          "decode at B=1/16, written to model_profile[_TAG].json")
-    ap.add_argument("--timed", action="store_true", help="with --profile: also time prefill/decode rows and SDPA")
+    ap.add_argument("--timed", action="store_true", help="with --profile: also time prefill and decode rows")
+    ap.add_argument("--sdpa", action="store_true", help="with --profile: SDPA backend choice and cost per shape")
     ap.add_argument("--tag", default="", help="with --profile: suffix of the JSON name")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
