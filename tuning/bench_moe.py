@@ -52,8 +52,9 @@ TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 SMALL_UP = [(32, 256, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 6), (64, 256, 4, 3)]
 SMALL_DOWN = [(64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 5)]
 # large tiles: at M >= 4096 the GEMMs are L2-bound with 64-row tiles, so mostly 128 x 256 (outputs) candidates
-LARGE_UP = [(128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 4)]
-LARGE_DOWN = [(256, 64, 8, 3), (128, 64, 8, 4), (256, 128, 8, 3), (128, 128, 8, 3), (256, 64, 8, 4)]
+LARGE_UP = [(128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 64, 4, 4)]
+LARGE_DOWN = [(256, 64, 8, 4), (256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 128, 8, 2),
+              (128, 128, 4, 2)]  # two stages: a short K (TP8: 128) loop has nothing to pipeline; more CTAs per SM
 MAX_ACC = 32768  # fp32 accumulator elements per program (gate_up holds two): more spills at 8 warps
 
 

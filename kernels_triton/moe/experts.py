@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kernels_triton.moe.align import Alignment
 from kernels_triton.moe.config import GemmConfig
+from kernels_triton.moe.launch import DirectLauncher
 from kernels_triton.moe.routing import cdiv, pow2
 
 
@@ -146,13 +147,19 @@ def _combine_kernel(y_ptr, slot_group_ptr, extra_ptr, out_ptr, H, SLOTS: tl.cons
     tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+# launched through DirectLauncher: no per-call argument binding once compiled (see launch.py)
+_launch_gate_up = DirectLauncher(_gate_up_kernel)
+_launch_down = DirectLauncher(_down_kernel)
+_launch_combine = DirectLauncher(_combine_kernel)
+
+
 def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None, al: Alignment, slots: int,
             cfg: GemmConfig) -> torch.Tensor:
     """``h`` ``[max_blocks * BLOCK_M, I]`` in aligned row order (padding rows unwritten)."""
     H, I = x.shape[1], w13.shape[1] // 2
     h = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=x.device)
     grid = (al.max_blocks * cdiv(I, cfg.BLOCK_N),)
-    _gate_up_kernel[grid](
+    _launch_gate_up[grid](
         x, w13, shared_w13 if shared_w13 is not None else w13, al.sorted_slots, al.block_group, al.group_start,
         al.group_count, al.total_blocks, h, H, I, slots, w13.shape[0], HAS_SHARED=shared_w13 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=H % cfg.BLOCK_K == 0,
@@ -167,7 +174,7 @@ def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: 
     H, I = w2.shape[1], w2.shape[2]
     y = torch.empty(weights.numel(), H, dtype=h.dtype, device=h.device)
     grid = (al.max_blocks * cdiv(H, cfg.BLOCK_N),)
-    _down_kernel[grid](
+    _launch_down[grid](
         h, w2, shared_w2 if shared_w2 is not None else w2, al.sorted_slots, al.block_group, al.group_start,
         al.group_count, al.total_blocks, weights, y, H, I, w2.shape[0], HAS_SHARED=shared_w2 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
@@ -181,7 +188,7 @@ def combine(y: torch.Tensor, al: Alignment, M: int, slots: int, extra: torch.Ten
     H = y.shape[1]
     out = torch.empty(M, H, dtype=y.dtype, device=y.device)
     block_h = min(1024, pow2(H))
-    _combine_kernel[(M, cdiv(H, block_h))](
+    _launch_combine[(M, cdiv(H, block_h))](
         y, al.slot_group, extra if extra is not None else y, out, H, SLOTS=slots, HAS_EXTRA=extra is not None,
         BLOCK_H=block_h, num_warps=4)
     return out

@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton.moe.launch import DirectLauncher
+
 ROUTE_TILE = 4096  # elements of the [rows, E_PAD] logits tile one route program holds
 
 
@@ -122,6 +124,11 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, SHARED_ID, N_SPLITS: t
                 RENORMALIZE, HAS_GATE, HAS_SHARED)
 
 
+# launched through DirectLauncher: no per-call argument binding once compiled (see launch.py)
+_launch_router_logits = DirectLauncher(_router_logits_kernel)
+_launch_route = DirectLauncher(_route_kernel)
+
+
 def cdiv(a: int, b: int) -> int:
     """Host-side ceil division (``triton.cdiv`` costs microseconds per call on the host path)."""
     return -(-a // b)
@@ -160,7 +167,7 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int 
     if M == 0:
         return weights, ids
     p = route_launch_params(M, E, top_k)
-    _route_kernel[(cdiv(M, p["ROWS"]),)](
+    _launch_route[(cdiv(M, p["ROWS"]),)](
         logits, weights, ids, M, E, E, N_SPLITS=n_splits, RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate),
         HAS_SHARED=bool(shared), num_warps=route_warps(p), **p)
     return weights, ids
@@ -199,7 +206,7 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
     n_out = E + int(gate_weight is not None)
     grid, k_per_split, launch = router_launch(M, H, n_out)
     out = torch.empty(grid[2], M, n_out, dtype=torch.float32, device=x.device)
-    _router_logits_kernel[grid](
+    _launch_router_logits[grid](
         x, router_weight, gate_weight if gate_weight is not None else router_weight, out, M, H, E, k_per_split,
         HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32, **launch)
     return out, grid[2]

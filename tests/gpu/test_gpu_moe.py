@@ -140,6 +140,28 @@ def test_block_captures_in_a_cuda_graph(M):
     assert torch.equal(captured, moe.moe_block(x, top_k=k, **w)) and not torch.equal(captured, eager)
 
 
+@pytest.mark.parametrize("M", [1, 17, 1024])
+def test_direct_launch_matches_the_binder_path(M, monkeypatch):
+    """Launches that skip Triton's argument binding (a cache hit) give the same bits as ordinary launches."""
+    from kernels_triton import moe
+    from kernels_triton.moe import experts, launch
+
+    E, k, H, _ = SHAPES["E512k10"]
+    w = _weights("E512k10", torch.bfloat16)
+    x = _x(M, H, torch.bfloat16, seed=5)
+    moe.moe_block(x, top_k=k, **w)  # compiles and records the kernels
+    hits = experts._launch_gate_up.hits
+    direct = moe.moe_block(x, top_k=k, **w)
+    assert experts._launch_gate_up.hits > hits, "the second call did not take the direct path"
+    monkeypatch.setattr(launch, "ENABLED", False)
+    assert torch.equal(direct, moe.moe_block(x, top_k=k, **w))
+    monkeypatch.setattr(launch, "ENABLED", True)
+    # the same tokens at an address 2 bytes past alignment: its own kernels (not the aligned ones), same result
+    unaligned = torch.empty(M * H + 1, dtype=x.dtype, device=x.device)[1:].view(M, H).copy_(x)
+    for _ in range(2):  # the second call is a direct hit on the unaligned kernels
+        assert rel_err(moe.moe_block(unaligned, top_k=k, **w), direct.float()) <= 1e-3
+
+
 def test_facade_picks_triton_on_the_gpu(fresh_probe):
     choice = fresh_probe.choose("moe_block", "cuda")
     assert choice.backend == "triton", choice.reason
