@@ -312,7 +312,7 @@ build(R._route_kernel, {"logits_ptr": f32, "weights_ptr": f32}, dict(route, ROWS
 build(A._route_align_kernel, {"logits_ptr": f32, "weights_ptr": f32},
       dict(route, ROWS=8, HAS_MAP=True, N_PAD=256, G_PAD=1024, BLOCK_M=16))
 build(A._count_kernel, {"logits_ptr": f32, "weights_ptr": f32},
-      dict(route, ROUTE=True, ROWS=8, TILES=8, HAS_MAP=True, CHUNK_PAD=1024, G_PAD=1024))
+      dict(route, ROUTE=True, ROWS=16, TILES=4, HAS_MAP=True, CHUNK_PAD=1024, G_PAD=1024), 8)
 build(A._count_kernel, {"logits_ptr": "*i32", "weights_ptr": "*i32"},
       dict(route, ROUTE=False, ROWS=16, TILES=4, HAS_MAP=False, CHUNK_PAD=1024, G_PAD=512))
 build(A._scatter_kernel, {}, dict(BLOCK_M=128, CHUNK_PAD=1024, G_PAD=1024, TILE_C=16), 8)

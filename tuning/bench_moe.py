@@ -47,6 +47,7 @@ MS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 QUICK_SHAPES, QUICK_MS = ("35B-A3B", "397B-A17B-TP8"), (1, 16, 1024, 16384)
 GRAPH_MAX_M = 256
 BREAKDOWN_MS = (1, 16, 1024, 4096, 16384)
+SHARED_BREAKDOWN_MAX_M = 16
 TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates; the heuristic's pick is always added
 SMALL_UP = [(32, 256, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 6), (64, 256, 4, 3)]
@@ -108,6 +109,17 @@ def _gpu_ms(fn, M: int) -> float:  # noqa: ANN001
         return math.nan
 
 
+def _host_us_binder(fn) -> float:  # noqa: ANN001
+    """``host_us`` with every launch through ``JITFunction.run`` (DirectLauncher off): what the direct path saves."""
+    from kernels_triton.moe import launch
+
+    launch.ENABLED = False
+    try:
+        return host_us_per_call(fn, calls=50)
+    finally:
+        launch.ENABLED = True
+
+
 def _weights(E: int, H: int, I: int, dtype=torch.bfloat16, seed: int = 0) -> dict:  # noqa: ANN001
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
 
@@ -131,38 +143,35 @@ def _routing(x, w, top_k):  # noqa: ANN001, ANN202
     return routing.route(logits, top_k, True, n_splits=n_splits)
 
 
-def _stage_ms(x, w, top_k) -> dict:  # noqa: ANN001
+def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
     """Each launch group of ours (as moe_block runs them) timed alone on its real inputs: where the GPU time goes.
 
     Timed by graph replay at every M, so host work is not in these numbers (it is in ``host_us``).
+    ``with_shared``: the fused shared expert (its gate as one more router column, one more group).
     """
     from kernels_triton.moe import align, config, experts, routing
 
     M, H = x.shape
     E, I = w["w13"].shape[0], w["w2"].shape[2]
+    sw13, sw2, gate = w["shared"] if with_shared else (None, None, None)
+    slots = top_k + int(with_shared)
     up_cfg, down_cfg = config.configs(M, top_k, E, H, I, x.dtype, x.device)
-    logits, n_splits = routing.router_logits(x, w["router_weight"], None)
+    logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
 
     def route_align():  # noqa: ANN202
-        return align.route_and_align(logits, n_splits, top_k, True, n_experts=E, n_local=E,
-                                     block_m=up_cfg.BLOCK_M, expert_map=None, gate=False, shared=False)
+        return align.route_and_align(logits, n_splits, top_k, True, n_experts=E, n_local=E, block_m=up_cfg.BLOCK_M,
+                                     expert_map=None, gate=with_shared, shared=with_shared)
 
     weights, _, al = route_align()
-    h = experts.gate_up(x, w["w13"], None, al, top_k, up_cfg)
-    y = experts.down(h, w["w2"], None, al, weights, down_cfg)
+    h = experts.gate_up(x, w["w13"], sw13, al, slots, up_cfg)
+    y = experts.down(h, w["w2"], sw2, al, weights, down_cfg)
     stages = {
-        "router_gemm": lambda: routing.router_logits(x, w["router_weight"], None),
+        "router_gemm": lambda: routing.router_logits(x, w["router_weight"], gate),
         "route_align": route_align,
-        "gate_up": lambda: experts.gate_up(x, w["w13"], None, al, top_k, up_cfg),
-        "down": lambda: experts.down(h, w["w2"], None, al, weights, down_cfg),
-        "combine": lambda: experts.combine(y, al, M, top_k),
+        "gate_up": lambda: experts.gate_up(x, w["w13"], sw13, al, slots, up_cfg),
+        "down": lambda: experts.down(h, w["w2"], sw2, al, weights, down_cfg),
+        "combine": lambda: experts.combine(y, al, M, slots),
     }
-    if M <= align.FUSED_ROUTE_MAX_M:  # the alternative to the one-program route+align: two parallel launches
-        def route_then_align():  # noqa: ANN202
-            _, ids = routing.route(logits, top_k, True, n_splits=n_splits)
-            return align.align(ids, n_local=E, block_m=up_cfg.BLOCK_M)
-
-        stages["route_then_align"] = route_then_align
     return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()}
 
 
@@ -181,13 +190,14 @@ def bench_shape(name: str, M: int, w: dict, ceil: dict, with_breakdown: bool) ->
     flop_floor = (expert_flop + 2 * M * E * H) / ceil["bf16_TFLOPs"] / 1e9
     ours_ms, method = _time(lambda: ours(*args), M)
     host_us = host_us_per_call(lambda: ours(*args), calls=50)
+    host_binder_us = _host_us_binder(lambda: ours(*args))
     gpu_ms = ours_ms if method == "graph" else _gpu_ms(lambda: ours(*args), M)
     shared_ms, _ = _time(lambda: ours(*args, shared=w["shared"]), M)
     extra = dict(M=M, E=E, k=k, H=H, I=I, method=method, active_experts=active,
                  mem_floor_ms=round(mem_floor, 5), flop_floor_ms=round(flop_floor, 5),
                  x_mem_floor=round(ours_ms / mem_floor, 3), x_floor=round(ours_ms / max(mem_floor, flop_floor), 3),
                  TFLOPs=round(expert_flop / ours_ms / 1e9, 1), ours_shared_ms=round(shared_ms, 5),
-                 host_us=round(host_us, 1), gpu_ms=round(gpu_ms, 5))
+                 host_us=round(host_us, 1), host_binder_us=round(host_binder_us, 1), gpu_ms=round(gpu_ms, 5))
     anchor_ms = None
     try:
         expect = torch_pipeline(*args)
@@ -198,6 +208,8 @@ def bench_shape(name: str, M: int, w: dict, ceil: dict, with_breakdown: bool) ->
         extra["anchor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if with_breakdown:
         extra["stages_ms"] = _stage_ms(x, w, k)
+        if M <= SHARED_BREAKDOWN_MAX_M:  # where the shared expert's extra decode time goes
+            extra["stages_shared_ms"] = _stage_ms(x, w, k, with_shared=True)
     return _bench.row("moe_block_routed", f"{name} M={M}", "bf16", ours_ms, "torch._grouped_mm pipeline",
                       anchor_ms, **extra)
 
@@ -231,9 +243,11 @@ def run_benchmark(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
         del w
         torch.cuda.empty_cache()
     cols = ["shape", "ours_ms", "anchor_ms", "speedup", "x_mem_floor", "x_floor", "TFLOPs", "ours_shared_ms", "host_us",
-            "gpu_ms"]
+            "host_binder_us", "gpu_ms"]
     print(_bench.format_table(rows, cols))
     stage_rows = [dict(shape=r["shape"], **r["stages_ms"]) for r in rows if r.get("stages_ms")]
+    stage_rows += [dict(shape=r["shape"] + " +shared", **r["stages_shared_ms"]) for r in rows
+                   if r.get("stages_shared_ms")]
     if stage_rows:
         print("GPU time per stage (ms, graph replay):")
         print(_bench.format_table(stage_rows, list(stage_rows[0])))

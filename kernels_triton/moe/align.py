@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton.moe.launch import DirectLauncher
-from kernels_triton.moe.routing import _route_tile, cdiv, pow2, route_launch_params
+from kernels_triton.moe.routing import _route_tile, cdiv, pow2, route_launch_params, route_warps
 
 SINGLE_CHUNK_MAX = 1024  # slots handled by one fused program
 FUSED_ROUTE_MAX_M = 2  # tokens whose routing runs in the same program as their alignment (H200: 16 tokens took
@@ -255,7 +255,7 @@ def _align_chunks(al: Alignment, M: int, slots: int, *, route: dict | None, logi
     _launch_count[(n_chunks,)](
         logits, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, counts[0], M, G,
         e_global, n_local, ROUTE=routed, TILES=tiles, HAS_MAP=expert_map is not None, CHUNK_PAD=chunk_pad, G_PAD=g_pad,
-        num_warps=4, **route)
+        num_warps=max(4, route_warps(route)) if routed else 4, **route)
     _launch_scatter[(n_chunks,)](
         al.slot_group, counts[0], counts[1], al.sorted_slots, al.block_group, al.group_start, al.group_count,
         al.total_blocks, M * slots, n_chunks, G, chunk_slots, BLOCK_M=al.block_m, CHUNK_PAD=chunk_pad, G_PAD=g_pad,

@@ -23,8 +23,12 @@ ROUTE_TILE = 4096  # elements of the [rows, E_PAD] logits tile one route program
 def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, M, H, E, K_PER_SPLIT,
                           HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """out[s, m, n] = sum over this split's slice of H of x[m, :] * W[n, :], W = router rows then the gate row."""
-    pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """out[s, m, n] = sum over this split's slice of H of x[m, :] * W[n, :], W = router rows then the gate row.
+
+    Column tiles are the fastest grid axis: the programs sharing a tile of x run together and read
+    it from L2 (x-major order re-read x from DRAM once per column tile: 4x at E = 512).
+    """
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     n_out = E + HAS_GATE
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -144,16 +148,22 @@ def route_launch_params(M: int, E: int, top_k: int, one_program: bool = False) -
     """Constexprs of a route tile: rows per tile sized so that [rows, E_PAD] stays within ROUTE_TILE elements.
 
     Routing spread over programs (``one_program`` False) uses fewer rows per tile until there are
-    ~64 tiles, so small batches still route in parallel.
+    ~64 tiles, so small batches still route in parallel, and up to twice the elements (with 8 warps,
+    :func:`route_warps`) at large M, where each program routes a chunk of several tiles in turn.
     """
     e_pad = pow2(E, 16)
-    rows = max(1, min(16, ROUTE_TILE // e_pad, pow2(M) if one_program else pow2(cdiv(M, 64))))
+    if one_program:
+        rows = min(16, ROUTE_TILE // e_pad, pow2(M))
+    else:
+        rows = min(32, 2 * ROUTE_TILE // e_pad, pow2(cdiv(M, 64)))
+    rows = max(1, rows)
     return dict(TOP_K=top_k, K_PAD=pow2(top_k, 2), E_PAD=e_pad, ROWS=rows)
 
 
 def route_warps(params: dict) -> int:
-    """Small tiles: fewer warps, cheaper reductions."""
-    return max(1, min(4, params["ROWS"] * params["E_PAD"] // 512))
+    """Small tiles: fewer warps, cheaper reductions; 8 warps beyond ROUTE_TILE elements."""
+    elements = params["ROWS"] * params["E_PAD"]
+    return 8 if elements > ROUTE_TILE else max(1, min(4, elements // 512))
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int = 1, n_experts: int | None = None,
@@ -193,7 +203,7 @@ def router_launch(M: int, H: int, n_out: int) -> tuple[tuple[int, int, int], int
         n_splits *= 2
     k_per_split = cdiv(cdiv(H, n_splits), block_k) * block_k
     n_splits = cdiv(H, k_per_split)
-    grid = (cdiv(M, block_m), cdiv(n_out, block_n), n_splits)
+    grid = (cdiv(n_out, block_n), cdiv(M, block_m), n_splits)
     return grid, k_per_split, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                                    num_stages=stages)
 
