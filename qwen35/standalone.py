@@ -11,13 +11,13 @@ decode). :meth:`Qwen35Standalone.generate` does greedy or sampled generation on 
 
 from __future__ import annotations
 
-import array
 import contextlib
 import itertools
 import logging
 import os
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -130,6 +130,27 @@ class SlotAttention(nn.Module):
         return o[0].transpose(0, 1).reshape(n, H * D)
 
 
+class _StepBuffer:
+    """The int32 values one step sends to the device: named parts of one host buffer (pinned for a
+    CUDA device), filled in place through numpy and copied with one asynchronous transfer."""
+
+    def __init__(self, sizes: dict[str, int], pinned: bool):
+        self.parts, at = {}, 0
+        for name, n in sizes.items():
+            self.parts[name] = (at, n)
+            at += -(-n // 4) * 4  # each part 16-byte aligned: Triton specialises kernels on pointer alignment
+        self.host = torch.empty(max(at, 4), dtype=torch.int32, pin_memory=pinned)
+        self._np = self.host.numpy()
+
+    def part(self, name: str) -> np.ndarray:
+        at, n = self.parts[name]
+        return self._np[at:at + n]
+
+    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
+        buf = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
+        return {name: buf[at:at + n] for name, (at, n) in self.parts.items()}
+
+
 class SlotGDNState:
     """Conv and recurrent-state pools of one GDN layer, one slot per sequence."""
 
@@ -238,21 +259,29 @@ class Qwen35Standalone:
         lens = [len(tokens[i]) for i in order]
         starts = list(itertools.accumulate(lens, initial=0))  # first row of each sequence, in step order
         first_row = dict(zip(order, starts, strict=False))
-        if all_logits:
-            rows = torch.cat([torch.arange(first_row[i], first_row[i] + len(tokens[i])) for i in range(len(slots))])
-        else:
-            rows = torch.tensor([first_row[i] + len(tokens[i]) - 1 for i in range(len(slots))])
-        lens_t = torch.tensor(lens)
+        N, T = len(order), starts[-1]
         prefill_cu = [r - starts[nd] for r in starts[nd:]]
-        parts = [
-            torch.cat([_int_tensor(tokens[i]) for i in order]),  # ids
-            torch.tensor(seq_slots).repeat_interleave(lens_t),  # slot of every token
-            torch.arange(starts[-1]) + torch.tensor([c - r for c, r in zip(ctxs, starts, strict=False)])
-            .repeat_interleave(lens_t),  # position of every token
-            rows, torch.tensor(seq_slots), torch.tensor(prefill_cu), torch.tensor([c + 1 for c in ctxs[:nd]]),
-            torch.tensor([c > 0 for c in ctxs[nd:]]),
-        ]
-        ids, tok_slots, tok_pos, rows, seq_slots_d, cu, decode_lens, has_init = self._to_device(parts)
+        buf = _StepBuffer(dict(ids=T, slots=T, positions=T, rows=T if all_logits else N, seq_slots=N,
+                               cu=N - nd + 1, decode_lens=nd, has_init=N - nd), pinned=self.device.type == "cuda")
+        ids, tok_slots, tok_pos = buf.part("ids"), buf.part("slots"), buf.part("positions")
+        for j, i in enumerate(order):
+            lo, hi = starts[j], starts[j + 1]
+            ids[lo:hi] = tokens[i]
+            tok_slots[lo:hi] = seq_slots[j]
+            tok_pos[lo:hi] = np.arange(ctxs[j], ctxs[j] + lens[j])
+        if all_logits:
+            buf.part("rows")[:] = np.concatenate([np.arange(first_row[i], first_row[i] + len(tokens[i]))
+                                                  for i in range(N)])
+        else:
+            buf.part("rows")[:] = [first_row[i] + len(tokens[i]) - 1 for i in range(N)]
+        buf.part("seq_slots")[:] = seq_slots
+        buf.part("cu")[:] = prefill_cu
+        buf.part("decode_lens")[:] = [c + 1 for c in ctxs[:nd]]
+        buf.part("has_init")[:] = [c > 0 for c in ctxs[nd:]]
+        d = buf.to(self.device)
+        ids, tok_slots, tok_pos, rows, seq_slots_d, cu = (d[k] for k in ("ids", "slots", "positions", "rows",
+                                                                         "seq_slots", "cu"))
+        decode_lens, has_init = d["decode_lens"], d["has_init"]
         decode_len, mask = 0, None
         if nd:
             longest = max(ctxs[:nd]) + 1
@@ -271,25 +300,6 @@ class Qwen35Standalone:
                        if consecutive else None, decode_len=decode_len, decode_mask=mask, prefills=prefills,
                        token_slots=tok_slots, token_positions=tok_pos, gdn=gdn)
         return ids, batch, rows
-
-    def _to_device(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
-        """int32 copies of host tensors on the model's device, through one buffer and one transfer.
-
-        Each part starts 16-byte aligned, as Triton specialises kernels on pointer alignment.
-        """
-        sizes = [t.numel() for t in parts]
-        padded = [-(-n // 4) * 4 for n in sizes]
-        buf = torch.zeros(sum(padded), dtype=torch.int32)
-        views, at = [], 0
-        for t, n, p in zip(parts, sizes, padded, strict=True):
-            buf[at:at + n] = t
-            views.append((at, n))
-            at += p
-        if self.device.type == "cuda":
-            buf = buf.pin_memory().to(self.device, non_blocking=True)
-        elif self.device.type != "cpu":
-            buf = buf.to(self.device)
-        return [buf[a:a + n] for a, n in views]
 
     @torch.no_grad()
     def step(self, slots: list[int], tokens: list[list[int]], *, all_logits: bool = False) -> torch.Tensor:
@@ -429,11 +439,6 @@ class DecodeGraph:
         for s in self.slots:
             owner.lengths[s] += 1
         return self.logits
-
-
-def _int_tensor(values: list[int]) -> torch.Tensor:
-    """int32 tensor of a list of ints, without torch.tensor's per-element cost (8x faster on long prompts)."""
-    return torch.frombuffer(array.array("i", values), dtype=torch.int32)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
