@@ -1,6 +1,7 @@
 """Whole-model benchmark: the standalone host at Qwen3.5-35B-A3B width against HF transformers.
 
     python -m tuning.bench_model --out DIR [--quick] [--layers 8]
+    python -m tuning.bench_model --out DIR --profile [--timed] [--sdpa] [--tag NAME]
 
 Model: hidden 2048, 256 experts top-8 (I=512) + shared expert 512, GDN 16/32 heads K=V=128,
 attention 16/2 heads of dim 256, vocab 248320, ``--layers`` decoder layers (every 4th full
@@ -17,6 +18,13 @@ Rows (bf16, one H200):
   the experts the batch is expected to touch, the LM head, KV cache and GDN state read + write)
   over the measured copy bandwidth, ``pct_of_floor`` = floor / ours.
 Benchmarks report; they never assert times. The probe's backend table is printed and stored.
+
+``--profile`` builds only our model (random weights, no HF) and runs a 1x8192 and an 8x4096
+prefill and eager decode steps at B=1/16 (4096 context) under torch.profiler: device time per
+innermost range (façade op, projection, attention, MLP, layer glue, LM head; kernels are tied to
+their launching call through the trace's correlation ids, Triton launches included), host time per
+range, top kernels and top CPU ops, to ``model_profile[_TAG].json``. ``--timed`` adds the prefill
+and decode rows above, ``--sdpa`` which SDPA kernel torch picks per attention shape and its cost.
 """
 
 from __future__ import annotations
