@@ -208,7 +208,8 @@ def test_facade_forced_triton_selftests_and_runs(fresh_probe, monkeypatch):
     for op in ("gdn_chunk_prefill", "gdn_recurrent_step"):
         choice = fresh_probe.choose(op, DEV)
         assert choice.backend == "triton", choice.reason
-        assert choice.selftest_rel_err is not None and choice.selftest_rel_err < 1e-4, choice.reason
+        budget = 1e-4 if DEV == "cpu" else 1e-2  # the self-test runs fp32 on CPU, bf16 on a GPU
+        assert choice.selftest_rel_err is not None and choice.selftest_rel_err < budget, choice.reason
     lens = [3, 66]
     d = _inputs(lens, 2, 4, 16, 16, torch.float32)
     cu = cu_from_lens(lens, DEV)
@@ -276,6 +277,20 @@ def test_direct_launcher_keys_and_launches(monkeypatch):
     assert launch(x[1:], x, 5, 7, 0.5, 32, True) == (8, 3)
     assert launch(x, x, 2**33, 7, 0.5, 32, True) == (9, 3)
     assert jit_calls[-1] == ((3,), (x, x, 2**33, 7, 0.5, 32, True), opts)
+
+    class Runner:  # Triton's CudaLauncher: without scratch memory its C launch function is called directly
+        global_scratch_size = profile_scratch_size = 0
+        launch_cooperative_grid, launch_pdl = False, True
+
+        def launch(self, *a):
+            direct_calls.append(("c", *a))
+
+    Compiled.run = Runner()
+    launcher.cache.clear()
+    assert launch(x, x, 5, 7, 0.5, 32, True) == (10, 3)
+    assert launch(x, x, 6, 7, 0.5, 32, True, grid=(4, 2, 2)) == (10, 4)
+    assert direct_calls[-1] == ("c", 4, 2, 2, 1234, "fn", False, True, None, None, "meta", None, None, None,
+                                x, x, 6, 7, 0.5, 32, True)
 
 
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU

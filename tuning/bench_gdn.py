@@ -279,13 +279,23 @@ PREPARE_VARIANTS = [
     {"num_warps": 4, "num_stages": 1, "LOWP_MERGE": True},
     {"num_warps": 4, "num_stages": 1, "LOWP_MERGE": True, "maxnreg": 168},
 ]
+# Second round: around the first round's winner (product series in plain tf32, register cap).
+PREPARE_VARIANTS_B = [
+    {"num_warps": 4, "num_stages": 1, "DIAG_BY_PRODUCT": True, "EXACT_PREC": "tf32", **extra}
+    for extra in ({}, {"maxnreg": 152}, {"maxnreg": 168}, {"maxnreg": 184}, {"maxnreg": 200},
+                  {"LOWP_MERGE": True, "maxnreg": 152}, {"LOWP_MERGE": True, "maxnreg": 168},
+                  {"LOWP_MERGE": True, "maxnreg": 184})
+] + [{"num_warps": 4, "num_stages": 1}]
 SCAN_VARIANTS = [{"BV": bv, "num_warps": 4, "num_stages": st} for bv in (16, 32, 64) for st in (2, 3)]
 DECODE_VARIANTS = [{"BV": bv, "num_warps": w} for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4),
                                                              (64, 2), (64, 4), (128, 4), (128, 8))]
 DECODE_SWEEP = (("27B-TP1", 1), ("35B-A3B-TP1", 1), ("27B-TP4", 1), ("397B-TP8", 128), ("27B-TP1", 128))
 
 
-def all_variants() -> list[tuple[str, dict]]:
+def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
+    if sweep_set == "b":
+        return ([("prepare", c) for c in PREPARE_VARIANTS_B] + [("scan", c) for c in SCAN_VARIANTS]
+                + [("decode", {"BV": 16, "num_warps": 1}), ("decode", {"BV": 64, "num_warps": 4})])
     return ([("prepare", c) for c in PREPARE_VARIANTS] + [("scan", c) for c in SCAN_VARIANTS]
             + [("decode", c) for c in DECODE_VARIANTS])
 
@@ -298,12 +308,12 @@ def _decode_fn(d: dict, cfg: dict | None = None):
         A_log=d["A_log"], dt_bias=d["dt_bias"], use_qk_l2norm=True, step_config=cfg)
 
 
-def warm(index: int) -> None:
+def warm(index: int, sweep_set: str = "a") -> None:
     """Compile variant ``index`` of :func:`all_variants` on a tiny input (same specialisation as the sweep):
     several of these run in parallel processes before a sweep, which then finds every kernel in Triton's cache."""
     import kernels_triton as kt
 
-    phase, cfg = all_variants()[index]
+    phase, cfg = all_variants(sweep_set)[index]
     if phase == "decode":
         _decode_fn(_decode_inputs(2, 2, 8), cfg)()
     else:
@@ -312,10 +322,67 @@ def warm(index: int) -> None:
     torch.cuda.synchronize()
 
 
+def prepare_variant_errors(rows: list[dict], save=lambda: None) -> None:
+    """Relative error of the output for every second-round prepare variant against the fp64 reference, on
+    all-positive (strongly correlated) keys with weak decay: the hard case for the inverse."""
+    import kernels_triton as kt
+    from qwen35 import reference as ref
+
+    lens, (H, HV) = [8192, 777], HEADS["27B-TP4"]
+    d = _prefill_inputs(lens, H, HV, seed=3)
+    d["k"] = d["k"].abs() + 0.5
+    d["a"] = d["a"] - 4.0  # weak decay
+    f64 = {n: d[n].double() for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "h0")}
+    want, _ = ref.gdn_chunk_prefill(f64["q"], f64["k"], f64["v"], a=f64["a"], b=f64["b"], A_log=f64["A_log"],
+                                    dt_bias=f64["dt_bias"], cu_seqlens=d["cu"], initial_state=f64["h0"],
+                                    use_qk_l2norm=True)
+    meta = kt.prepare_gdn_metadata(d["cu"])
+    for cfg in PREPARE_VARIANTS_B:
+        got, _ = _ours_prefill(d, meta, prepare_config=cfg)()
+        err = float((got.double() - want).norm() / want.norm())
+        rows.append({"sweep": "prepare accuracy", "shape": "27B-TP4 8192+777 correlated keys, weak decay",
+                     "config": cfg, "rel_err": err, "finite": bool(torch.isfinite(got).all())})
+        print(rows[-1], flush=True)
+        save()
+
+
+def sweep_b(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
+    """Second round: prepare variants around the first winner (time and accuracy) and scan stages at
+    4096-token sequences."""
+    import kernels_triton as kt
+
+    shapes = {"27B-TP1 1x32768": ("27B-TP1", [32768]), "27B-TP4 8x4096": ("27B-TP4", [4096] * 8),
+              "27B-TP1 8x4096": ("27B-TP1", [4096] * 8)}
+    for label, (hname, lens) in shapes.items():
+        H, HV = HEADS[hname]
+        d = _prefill_inputs(lens, H, HV)
+        meta = kt.prepare_gdn_metadata(d["cu"])
+        variants = [("prepare", c) for c in PREPARE_VARIANTS_B] if label != "27B-TP1 8x4096" else []
+        if label != "27B-TP1 1x32768":
+            variants += [("scan", c) for c in SCAN_VARIANTS if c["BV"] >= 32]
+        for phase, cfg in variants:
+            if time.time() > deadline:
+                print("sweep: deadline reached", flush=True)
+                return
+            fn = _ours_prefill(d, meta, **{f"{phase}_config": cfg})
+            kernels = kernel_times_ms(fn, calls=3)
+            name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
+            rows.append({"sweep": phase, "shape": label, "config": cfg,
+                         "kernel_ms": round(sum(v for k, v in kernels.items() if k.startswith(name)), 4)})
+            print(rows[-1], flush=True)
+            save()
+        del d
+    prepare_variant_errors(rows, save)
+
+
 def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     """GPU kernel time (torch.profiler) of every prepare and scan variant on the sweep shapes, and decode
     variants through CUDA graphs."""
     import kernels_triton as kt
+
+    if args.sweep_set == "b":
+        sweep_b(args, rows, deadline, save)
+        return
 
     for label, (hname, lens) in SWEEP_PREFILL.items():
         H, HV = HEADS[hname]
@@ -398,6 +465,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b"), help="a: first round; b: around its winner")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")
     args = parser.parse_args(argv)
@@ -405,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_gdn needs a CUDA device", file=sys.stderr)
         return 2
     if args.warm is not None:
-        warm(args.warm)
+        warm(args.warm, args.sweep_set)
         return 0
     start = time.time()
     torch.set_grad_enabled(False)
@@ -429,11 +497,11 @@ def main(argv: list[str] | None = None) -> int:
               lambda: _bench.write_results(args.out, f"gdn_sweep_{tag}" + name[len(f"gdn_{tag}"):], sweep_rows,
                                            {"ceilings": ceil}))
     bench_decode(fla, args, ceil, rows, save)
-    bench_prefill(fla, args, ceil, rows, start + args.fla_deadline, save)
     try:
         bench_host(fla, rows, start + args.fla_deadline)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
+    bench_prefill(fla, args, ceil, rows, start + args.fla_deadline, save)
     path = save()
     if fla is not None:
         n = dump_fla_autotune(Path(args.out) / "fla_autotune.json")

@@ -85,11 +85,22 @@ class DirectLauncher:
             return
         device = torch.cuda.current_device()
         key = (device, *options.items(), *key)
-        compiled = self.cache.get(key)
-        if compiled is None:  # first call of this specialisation: the JIT compiles and launches it
+        launch = self.cache.get(key)
+        if launch is None:  # first call of this specialisation: the JIT compiles and launches it
             compiled = self.kernel[grid](*args, **options)
-            self.cache[key] = compiled.result() if hasattr(compiled, "result") else compiled
+            self.cache[key] = _launch_function(compiled.result() if hasattr(compiled, "result") else compiled)
             return
-        compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-                     torch._C._cuda_getCurrentRawStream(device), compiled.function, compiled.packed_metadata,
-                     None, None, None, *args)
+        launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+               torch._C._cuda_getCurrentRawStream(device), *args)
+
+
+def _launch_function(compiled):
+    """``(gx, gy, gz, stream, *args) -> None`` for a compiled kernel: its C launch function when the kernel
+    needs no scratch memory (CudaLauncher.__call__'s work is then all constant), else the launcher object."""
+    runner = compiled.run
+    fixed = (compiled.function, compiled.packed_metadata, None, None, None)  # no launch metadata, no hooks
+    if getattr(runner, "global_scratch_size", 1) == 0 and getattr(runner, "profile_scratch_size", 1) == 0:
+        c_launch = runner.launch
+        head = (compiled.function, runner.launch_cooperative_grid, runner.launch_pdl, None, None, *fixed[1:])
+        return lambda gx, gy, gz, stream, *args: c_launch(gx, gy, gz, stream, *head, *args)
+    return lambda gx, gy, gz, stream, *args: runner(gx, gy, gz, stream, *fixed, *args)

@@ -410,7 +410,8 @@ def _scan_config(device: torch.device, N: int, HV: int, V: int, per_seq: int, dt
     there are >= 32 (sequence, head) pairs, even with fewer programs than SMs (48 pairs: BV 64
     1.19 ms, 32: 1.56, 16: 2.31); with few pairs (TP8, one sequence) more, narrower blocks win
     (8 pairs: BV 16 1.63 ms, 32: 2.00, 64: 2.54). 4 warps always; 3 stages for long sequences,
-    2 for short ones.
+    2 for short ones. Round 2 (norms and decays precomputed by phase 1): 3 stages won every pair measured
+    (27B-TP1 1x32768 BV 64: 1.01 vs 1.27 ms; 397B-TP8 1x65536 BV 16: 1.43 vs 1.93).
     """
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
         return {"BV": _pow2(V), "num_warps": 4, "num_stages": 1}
@@ -420,7 +421,13 @@ def _scan_config(device: torch.device, N: int, HV: int, V: int, per_seq: int, dt
         return dict(tuned)
     pairs = N * HV
     BV = min(_pow2(V), 64 if pairs >= 32 else 32 if pairs >= 16 else 16)
-    return {"BV": BV, "num_warps": 4, "num_stages": 3 if per_seq >= 8192 else 2}
+    smem = _shared_memory_per_block(device)  # 3 stages at BV 64 take 206 KB (2: 140 KB)
+    return {"BV": BV, "num_warps": 4, "num_stages": 3 if smem >= 210_000 else 2 if smem >= 145_000 else 1}
+
+
+@functools.cache
+def _shared_memory_per_block(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
 PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC")  # prepare_config keys that are kernel flags
@@ -428,9 +435,20 @@ PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC")  # prepare_
 
 @functools.lru_cache(maxsize=64)
 def _prepare_config(device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
-    """(kernel flags, launch options) of phase 1 for this device and activation dtype."""
-    exact = "tf32x3" if device_facts(device)[2] >= (8, 0) else "ieee"
-    return {"DIAG_BY_PRODUCT": False, "LOWP_MERGE": False, "EXACT_PREC": exact}, {"num_warps": 4, "num_stages": 1}
+    """(kernel flags, launch options) of phase 1 for this device and activation dtype.
+
+    bf16 on sm80+: the 16-row diagonal inverse by the product series in plain tf32 dots and a
+    168-register cap (3 CTAs per SM): 1.45 ms at 27B-TP1 T=32768 against 2.15 for substitution
+    without a cap (H200 sweep, tuning/results/gdn_sweep_r2_nvidia_h200.json); its accuracy is within
+    the bf16 budget on correlated keys (GPU test). fp16 and fp32 keep the substitution (fp32-exact).
+    """
+    tf32 = device_facts(device)[2] >= (8, 0)
+    flags = {"DIAG_BY_PRODUCT": False, "LOWP_MERGE": False, "EXACT_PREC": "tf32x3" if tf32 else "ieee"}
+    options = {"num_warps": 4, "num_stages": 1}
+    if dtype == torch.bfloat16 and tf32:
+        flags.update(DIAG_BY_PRODUCT=True, EXACT_PREC="tf32")
+        options["maxnreg"] = 168
+    return flags, options
 
 
 def _split_prepare_config(device: torch.device, dtype: torch.dtype, override: dict | None) -> tuple[dict, dict]:
@@ -490,6 +508,10 @@ def gdn_chunk_prefill(
         check_head_dims(K, V)
     dev = q.device
     ws_dtype, dot_prec, per_fp32 = _dtypes(dev, q.dtype)
+    if (q.data_ptr() | k.data_ptr()) & 15:
+        # The scan stages q and k through pipelined (asynchronous) copies; from views that are not
+        # 16-byte aligned these read wrong rows on an H200 (seen with a 2-byte offset), so realign.
+        q, k = q.clone(), k.clone()
     for name, st in (("initial_state", initial_state), ("state_pool", state_pool)):
         if st is not None and st.dtype is not torch.float32 and st.dtype is not torch.float64:
             raise ValueError(f"{name} has dtype {st.dtype}; states are fp32 (fp64 accepted)")
