@@ -7,7 +7,8 @@ there, before dispatch).
 
 from __future__ import annotations
 
-# --- GDN, causal conv1d, norms: ops exported here ---
+# --- GDN, causal conv1d, norms, decode attention: ops exported here ---
+from kernels_triton.attention import attention_decode  # noqa: E402, F401
 from kernels_triton.conv1d import causal_conv1d_prefill, causal_conv1d_update  # noqa: E402, F401
 from kernels_triton.gdn import gdn_chunk_prefill, gdn_recurrent_step, prepare_gdn_metadata  # noqa: E402, F401
 from kernels_triton.norms import rms_norm_gated, rms_norm_zero_centered  # noqa: E402, F401

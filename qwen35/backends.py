@@ -25,6 +25,7 @@ OPS: tuple[str, ...] = (
     "moe_route",
     "moe_experts",
     "moe_block",
+    "attention_decode",
 )
 
 

@@ -33,6 +33,11 @@ MoE weights are stacked as in HF checkpoints: ``w13`` ``[E, 2I, H]`` (gate rows 
 experts in fp32 -> top-k (ties to the lowest id) -> renormalise; weights fp32, ids int32.
 ``expert_map`` ``[E]`` (int32) maps global to local expert ids, -1 for experts not held here.
 
+Decode attention (the standalone host's full-attention layers): KV caches per slot
+``[num_slots, KV, L, D]`` (``L`` positions per slot), one query per row ``q [B, H, D]`` with
+``H`` a multiple of ``KV`` (query head ``j`` reads kv head ``j // (H // KV)``); row ``b`` attends
+to keys ``0 .. lengths[b] - 1`` of slot ``slots[b]``. A negative slot is padding (zero output).
+
 Dtypes: activations fp16, bf16, fp32 (fp64 accepted everywhere and always computed by the
 reference: it is how tests get ground truth). Outputs come back in the activation dtype;
 accumulation is fp32 or better in every backend.
@@ -60,6 +65,7 @@ __all__ = [
     "moe_route",
     "moe_experts",
     "moe_block",
+    "attention_decode",
     "prepare_gdn_metadata",
     "MAX_SPEC_TOKENS",
 ]
@@ -491,6 +497,55 @@ def moe_block(
     return _impl("moe_block", x)(
         x, router_weight, w13, w2, top_k, renormalize=renormalize, shared_w13=shared_w13,
         shared_w2=shared_w2, shared_gate_weight=shared_gate_weight, expert_map=expert_map)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def attention_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    slots: torch.Tensor,
+    lengths: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One decode query per row over its slot's cached keys; returns ``[B, H, D]`` in q's dtype.
+
+    q ``[B, H, D]``; k_cache, v_cache ``[num_slots, KV, L, D]`` (same dtype as q); slots, lengths
+    ``[B]`` int32/int64 with ``0 <= lengths[b] <= L`` (the keys row b sees, its own included).
+    Shapes alone fix the work launched, so the op can be captured in a CUDA graph and replayed
+    as lengths grow.
+    """
+    chk.tensor("q", q, ndim=3)
+    dev = q.device
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        chk.tensor(name, c, ndim=4, device=dev)
+    _activation_dtype(("q", q), ("k_cache", k_cache), ("v_cache", v_cache))
+    B, H, D = q.shape
+    S, KV, L = k_cache.shape[:3]
+    chk.shape("k_cache", k_cache, [None, None, None, D])
+    chk.shape("v_cache", v_cache, list(k_cache.shape))
+    if KV < 1 or D < 1:
+        raise ValueError(f"k_cache has shape {list(k_cache.shape)}; kv heads and head dim must be >= 1")
+    chk.divisible("H (query heads)", H, "KV (kv heads of the cache)", KV)
+    _scale(scale)
+    if scale is None:
+        raise ValueError("scale is required for attention_decode (e.g. head_dim ** -0.5)")
+    for name, t in (("slots", slots), ("lengths", lengths)):
+        chk.tensor(name, t, ndim=1, device=dev, dtypes=chk.INDEX_DTYPES)
+        chk.shape(name, t, [B])
+    if chk.value_checks_enabled(slots) and B:
+        hi = int(slots.max())
+        if hi >= S:
+            raise ValueError(f"slots holds slot {hi}, but the caches have {S} slots (valid 0..{S - 1}, "
+                             "negative = padding)")
+        lo, top = int(lengths.min()), int(lengths.max())
+        if lo < 0 or top > L:
+            bad = lo if lo < 0 else top
+            raise ValueError(f"lengths holds {bad}; each row attends to 0..{L} keys (the caches hold L={L})")
+    return _impl("attention_decode", q)(q, k_cache, v_cache, slots=slots, lengths=lengths, scale=scale)
 
 
 def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> object | None:

@@ -154,6 +154,18 @@ def _moe_block_case(device, dtype, gen) -> Case:
     ))
 
 
+def _attention_decode_case(device, dtype, gen) -> Case:
+    S, KV, L, D, H = 4, 2, 80, 64, 6
+    return Case(dict(
+        q=_rand(gen, 3, H, D, dtype=dtype, device=device),
+        k_cache=_rand(gen, S, KV, L, D, dtype=dtype, device=device),
+        v_cache=_rand(gen, S, KV, L, D, dtype=dtype, device=device),
+        slots=torch.tensor([2, -1, 0], dtype=torch.int32, device=device),
+        lengths=torch.tensor([77, 5, 1], dtype=torch.int32, device=device),
+        scale=D**-0.5,
+    ))
+
+
 CASES: dict[str, Callable[[torch.device, torch.dtype, torch.Generator], Case]] = {
     "gdn_chunk_prefill": _gdn_prefill_case,
     "gdn_recurrent_step": _gdn_step_case,
@@ -164,6 +176,7 @@ CASES: dict[str, Callable[[torch.device, torch.dtype, torch.Generator], Case]] =
     "moe_route": _moe_route_case,
     "moe_experts": _moe_experts_case,
     "moe_block": _moe_block_case,
+    "attention_decode": _attention_decode_case,
 }
 
 

@@ -31,23 +31,17 @@ from qwen35.model import GDNStep, Parallel, Qwen35Model, report_backends_once
 log = logging.getLogger("qwen35.standalone")
 
 
-KEY_BUCKET = 256  # decode attention reads keys in buckets of this many positions (see SlotAttention)
-
-
 @dataclass
 class _Batch:
     """The layout of one step, shared by every layer: decode rows first, then prefill rows."""
 
     num_decodes: int
     decode_slots: torch.Tensor  # [nd] (device)
-    decode_slot_range: tuple[int, int] | None  # (first, count) when the decode slots are consecutive
-    decode_len: int  # keys a decode row reads: the longest row's length rounded up to KEY_BUCKET (<= max_len)
-    decode_mask: torch.Tensor | None  # [nd, 1, 1, decode_len] bool
+    decode_lens: torch.Tensor | None  # [nd] keys each decode row attends to, its own included (device)
     prefills: list[tuple[int, int, int, int]]  # (slot, context, new tokens, first token row)
     token_slots: torch.Tensor  # [T] slot of every token
     token_positions: torch.Tensor  # [T]
     gdn: dict  # batch fields of GDNStep
-    fixed_shapes: bool = False  # every step has these shapes (a captured graph): planned SDPA kernels pay
 
 
 # SDPA kernels for shapes that change from step to step. cuDNN's kernel is left out there: it
@@ -64,7 +58,8 @@ def _sdpa_backends(fixed_shapes: bool):
 
 
 class SlotAttention(nn.Module):
-    """Full attention over per-slot KV buffers ``[slots, kv_heads, max_len, head_dim]``, via SDPA."""
+    """Full attention over per-slot KV buffers ``[slots, kv_heads, max_len, head_dim]``: decode rows through
+    :func:`qwen35.ops.attention_decode`, prefills through SDPA."""
 
     def __init__(self, host: StandaloneHost, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
@@ -80,27 +75,13 @@ class SlotAttention(nn.Module):
         self.v_cache[b.token_slots, :, b.token_positions] = v.view(T, KV, D)
         out = q.new_empty(T, H * D)
         if b.num_decodes:
-            with _sdpa_backends(b.fixed_shapes):
-                self._decode(q, b, out)
+            nd = b.num_decodes
+            o = ops.attention_decode(q[:nd].view(nd, H, D), self.k_cache, self.v_cache, slots=b.decode_slots,
+                                     lengths=b.decode_lens, scale=self.scale)
+            out[:nd] = o.view(nd, H * D)
         for slot, ctx, n, row in b.prefills:
             out[row:row + n] = self._prefill(q[row:row + n], slot, ctx, n)
         return out
-
-    def _decode(self, q: torch.Tensor, b: _Batch, out: torch.Tensor) -> None:
-        """One query per row; the query heads are grouped by kv head, so no kv repeat is needed.
-
-        Every row reads ``decode_len`` keys under a length mask: the shapes change once per
-        KEY_BUCKET steps rather than every step.
-        """
-        nd, H, KV, D, L = b.num_decodes, self.H, self.KV, self.D, b.decode_len
-        qd = q[:nd].view(nd, KV, H // KV, D)
-        if b.decode_slot_range is not None:
-            first, count = b.decode_slot_range
-            keys, values = self.k_cache[first:first + count, :, :L], self.v_cache[first:first + count, :, :L]
-        else:
-            keys, values = self.k_cache[:, :, :L][b.decode_slots], self.v_cache[:, :, :L][b.decode_slots]
-        o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=b.decode_mask, scale=self.scale)
-        out[:nd] = o.reshape(nd, H * D)
 
     def _prefill(self, q: torch.Tensor, slot: int, ctx: int, n: int) -> torch.Tensor:
         H, KV, D, cache_len = self.H, self.KV, self.D, self.k_cache.shape[2]
@@ -282,11 +263,6 @@ class Qwen35Standalone:
         ids, tok_slots, tok_pos, rows, seq_slots_d, cu = (d[k] for k in ("ids", "slots", "positions", "rows",
                                                                          "seq_slots", "cu"))
         decode_lens, has_init = d["decode_lens"], d["has_init"]
-        decode_len, mask = 0, None
-        if nd:
-            longest = max(ctxs[:nd]) + 1
-            decode_len = min(self.host.max_len, -(-longest // KEY_BUCKET) * KEY_BUCKET)
-            mask = (torch.arange(decode_len, device=self.device)[None, :] < decode_lens[:, None])[:, None, None, :]
         prefills = [(seq_slots[j], ctxs[j], lens[j], starts[j]) for j in range(nd, len(order))]
         gdn = dict(
             num_decodes=nd, decode_slots=seq_slots_d[:nd] if nd else None, num_prefill_tokens=prefill_cu[-1],
@@ -294,11 +270,8 @@ class Qwen35Standalone:
             prefill_has_initial_state=has_init.bool() if prefills else None)
         if prefills:
             gdn["prefill_metadata"] = ops.prepare_gdn_metadata(cu)
-        dslots = seq_slots[:nd]
-        consecutive = nd > 0 and dslots == list(range(dslots[0], dslots[0] + nd))
-        batch = _Batch(num_decodes=nd, decode_slots=seq_slots_d[:nd], decode_slot_range=(dslots[0], nd)
-                       if consecutive else None, decode_len=decode_len, decode_mask=mask, prefills=prefills,
-                       token_slots=tok_slots, token_positions=tok_pos, gdn=gdn)
+        batch = _Batch(num_decodes=nd, decode_slots=seq_slots_d[:nd], decode_lens=decode_lens if nd else None,
+                       prefills=prefills, token_slots=tok_slots, token_positions=tok_pos, gdn=gdn)
         return ids, batch, rows
 
     @torch.no_grad()
@@ -359,8 +332,8 @@ class Qwen35Standalone:
 class DecodeGraph:
     """One decode step (one token for each of B consecutive slots) captured as a CUDA graph.
 
-    Attention reads each slot's whole ``max_len`` KV buffer under a mask built on the device,
-    so every replay has the same shapes. Capture needs every op's backend to be free of host
+    Decode attention takes each row's length from a device buffer and launches work fixed by the
+    cache shapes alone, so one capture serves every later step. Capture needs every op's backend to be free of host
     synchronisation (the reference ops are not); if it fails, the slots' states are restored and
     ``RuntimeError`` says why. :meth:`step` advances the sequences like :meth:`Qwen35Standalone.step`.
     """
@@ -374,16 +347,13 @@ class DecodeGraph:
         if any(owner.lengths[s] == 0 for s in slots):
             raise ValueError("capture_decode needs sequences that already hold a prompt")
         self.owner, self.slots, dev = owner, slots, owner.device
-        max_len = owner.host.max_len
         self.ids = torch.zeros(B, dtype=torch.long, device=dev)
         self.positions = torch.tensor([owner.lengths[s] for s in slots], device=dev)
-        self.mask = torch.zeros(B, 1, 1, max_len, dtype=torch.bool, device=dev)
-        self._key_pos = torch.arange(max_len, device=dev)
+        self.lens = torch.zeros(B, dtype=torch.int32, device=dev)
         slot_ids = torch.tensor(slots, dtype=torch.int32, device=dev)
         self.batch = _Batch(
-            num_decodes=B, decode_slots=slot_ids, decode_slot_range=(slots[0], B), decode_len=max_len,
-            decode_mask=self.mask, prefills=[], token_slots=slot_ids.long(), token_positions=self.positions,
-            fixed_shapes=True,
+            num_decodes=B, decode_slots=slot_ids, decode_lens=self.lens, prefills=[], token_slots=slot_ids.long(),
+            token_positions=self.positions,
             gdn=dict(num_decodes=B, decode_slots=slot_ids, num_prefill_tokens=0, prefill_cu_seqlens=None,
                      prefill_slots=None, prefill_has_initial_state=None))
         saved = self._save_states()
@@ -406,7 +376,7 @@ class DecodeGraph:
 
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
-        self.mask.copy_((self._key_pos[None, :] <= self.positions[:, None])[:, None, None, :])
+        self.lens.copy_(self.positions + 1)
         self.owner.host.batch = self.batch
         try:
             hidden = self.owner.model(self.ids, self.positions)
