@@ -272,6 +272,59 @@ def test_tuned_entry_reaches_only_nearby_token_counts(monkeypatch):
         tconfig.configs.cache_clear()
 
 
+class _DeviceTensor(torch.Tensor):
+    """A CPU tensor that reports itself as a CUDA one: drives DirectLauncher's hit path without a GPU."""
+
+    @property
+    def is_cuda(self):  # noqa: ANN201
+        return True
+
+
+def test_direct_launcher_keys_and_argument_order(monkeypatch):
+    from kernels_triton.moe import launch
+
+    class Compiled:
+        function, packed_metadata, launches = "fn", "meta", []
+
+        def run(self, *a):
+            self.launches.append(a)
+
+    compiled, ordinary = Compiled(), []
+
+    class Kernel:
+        arg_names = ["x_ptr", "n", "BLOCK"]
+
+        def __getitem__(self, grid):
+            return lambda *a, **k: ordinary.append((grid, a, k)) or compiled
+
+    class Driver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 7
+
+    monkeypatch.setattr(launch, "driver", type("D", (), {"active": Driver()})())
+    launcher = launch.DirectLauncher(Kernel())
+    buf = torch.zeros(64).as_subclass(_DeviceTensor)
+    launcher[(3,)](buf, 5, BLOCK=16, num_warps=4)  # miss: the ordinary path, kernel recorded
+    launcher[(4, 2)](buf, 5, BLOCK=16, num_warps=4)  # hit
+    assert len(ordinary) == 1 and launcher.hits == 1
+    assert Compiled.launches == [(4, 2, 1, 7, "fn", "meta", None, None, None, buf, 5, 16)]
+    for args, kw in (((buf, 6), dict(BLOCK=16, num_warps=4)),  # another int: its own entry
+                     ((buf[1:], 5), dict(BLOCK=16, num_warps=4)),  # 4 bytes past alignment
+                     ((buf.half(), 5), dict(BLOCK=16, num_warps=4)),  # another dtype
+                     ((buf, 5), dict(BLOCK=32, num_warps=4))):  # another constexpr
+        launcher[(1,)](*args, **kw)
+    assert len(ordinary) == 5 and launcher.hits == 1
+    launcher[(1,)](torch.zeros(4), 5, BLOCK=16, num_warps=4)  # a CPU tensor (the interpreter): never cached
+    launcher[(1,)](torch.zeros(4), 5, BLOCK=16, num_warps=4)
+    assert len(ordinary) == 7 and launcher.hits == 1
+    monkeypatch.setattr(launch, "ENABLED", False)
+    launcher[(1,)](buf, 5, BLOCK=16, num_warps=4)
+    assert len(ordinary) == 8 and launcher.hits == 1
+
+
 def test_facade_selects_and_self_tests_triton(fresh_probe, monkeypatch):
     monkeypatch.setenv("QWEN35_BACKEND", "triton")
     fresh_probe.reset()
