@@ -26,7 +26,8 @@ PARTS = ("probe", "tests", "gdn", "moe", "model")
 
 
 # GPU-marked tests live here; other test modules may import CPU-only stacks (vLLM) at collection.
-GPU_TEST_PATHS = ("tests/gpu", "tests/test_standalone.py", "tests/test_strided_pools.py")
+GPU_TEST_PATHS = ("tests/gpu", "tests/test_standalone.py", "tests/test_strided_pools.py",
+                  "tests/test_triton_attention.py")
 
 
 def _command(part: str, out: Path, quick: bool, extra: list[str]) -> list[str] | None:
