@@ -222,6 +222,25 @@ def test_facade_forced_triton_selftests_and_runs(fresh_probe, monkeypatch):
     assert_close(ht, rht, TOL[torch.float32], "façade final state")
 
 
+@pytest.mark.parametrize("smem,dtype,K,stages", [
+    (232448, torch.bfloat16, 128, 3), (232448, torch.float16, 128, 2), (232448, torch.float32, 128, 2),
+    (166912, torch.bfloat16, 128, 2), (166912, torch.float32, 128, 1), (232448, torch.bfloat16, 256, 1),
+])
+def test_scan_stages_fit_shared_memory(monkeypatch, smem, dtype, K, stages):
+    """The scan's pipeline depth fits the device's shared memory (H200: 227 KB, A100: 163 KB) for the
+    workspace dtype: 3 bf16 stages take 206 KB at K = V = 128, 3 fp32-workspace stages 329 KB."""
+    from kernels_triton.gdn import chunk
+
+    monkeypatch.setattr(chunk, "device_facts", lambda device: ("test-gpu", 132, (9, 0)))
+    monkeypatch.setattr(chunk, "_shared_memory_per_block", lambda device: smem)
+    chunk._scan_config.cache_clear()
+    try:
+        cfg = chunk._scan_config(torch.device("cuda", 0), 1, 48, K, 128, 32768, dtype)
+    finally:
+        chunk._scan_config.cache_clear()
+    assert cfg == {"BV": 64, "num_warps": 4, "num_stages": stages}
+
+
 # ----------------------------------------------------------------------------- launching without the JIT binder
 
 

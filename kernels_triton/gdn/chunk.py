@@ -402,7 +402,7 @@ def workspace_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dty
 
 
 @functools.lru_cache(maxsize=1024)
-def _scan_config(device: torch.device, N: int, HV: int, V: int, per_seq: int, dtype: torch.dtype) -> dict:
+def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq: int, dtype: torch.dtype) -> dict:
     """Phase-2 launch config: a tuned file entry if present, else the heuristic below. Cached: the
     caller rounds ``per_seq`` (tokens per sequence) down to a power of two.
 
@@ -410,8 +410,9 @@ def _scan_config(device: torch.device, N: int, HV: int, V: int, per_seq: int, dt
     there are >= 32 (sequence, head) pairs, even with fewer programs than SMs (48 pairs: BV 64
     1.19 ms, 32: 1.56, 16: 2.31); with few pairs (TP8, one sequence) more, narrower blocks win
     (8 pairs: BV 16 1.63 ms, 32: 2.00, 64: 2.54). 4 warps always; 3 stages for long sequences,
-    2 for short ones. Round 2 (norms and decays precomputed by phase 1): 3 stages won every pair measured
-    (27B-TP1 1x32768 BV 64: 1.01 vs 1.27 ms; 397B-TP8 1x65536 BV 16: 1.43 vs 1.93).
+    2 for short ones. Round 2 (norms and decays precomputed by phase 1, tuning/results/gdn_sweep_r2*.json):
+    3 stages won every pair measured (27B-TP1 1x32768 BV 64: 1.01 vs 1.27 ms; 397B-TP8 1x65536 BV 16:
+    1.43 vs 1.93; 27B-TP1 8x4096 BV 64: 0.81 vs 1.02), as far as shared memory allows.
     """
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
         return {"BV": _pow2(V), "num_warps": 4, "num_stages": 1}
@@ -421,8 +422,15 @@ def _scan_config(device: torch.device, N: int, HV: int, V: int, per_seq: int, dt
         return dict(tuned)
     pairs = N * HV
     BV = min(_pow2(V), 64 if pairs >= 32 else 32 if pairs >= 16 else 16)
-    smem = _shared_memory_per_block(device)  # 3 stages at BV 64 take 206 KB (2: 140 KB)
-    return {"BV": BV, "num_warps": 4, "num_stages": 3 if smem >= 210_000 else 2 if smem >= 145_000 else 1}
+    # Shared memory of the pipelined loads (sm_90 builds, K = 128): bf16 at BV 64 takes 74 / 140 / 206 KB
+    # with 1 / 2 / 3 stages; the fp32 workspace (fp16 and fp32 inputs) 82 / 197 / 329 KB at most. The
+    # tiles grow with K beyond 128.
+    smem = _shared_memory_per_block(device) * 128 // max(_pow2(K), 128)
+    if dtype == torch.bfloat16:
+        stages = 3 if smem >= 210_000 else 2 if smem >= 145_000 else 1
+    else:
+        stages = 2 if smem >= 200_000 else 1
+    return {"BV": BV, "num_warps": 4, "num_stages": stages}
 
 
 @functools.cache
@@ -558,7 +566,7 @@ def gdn_chunk_prefill(
             final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
         ht = final
     if N > 0:
-        options = scan_config or _scan_config(dev, N, HV, V, 1 << max(T // N, 1).bit_length() - 1, q.dtype)
+        options = scan_config or _scan_config(dev, N, HV, K, V, 1 << max(T // N, 1).bit_length() - 1, q.dtype)
         BV = options["BV"]
         _launch_scan(
             (-(-V // BV), N * HV),
