@@ -252,7 +252,7 @@ def test_direct_launcher_keys_and_launches(monkeypatch):
     """The first call of a specialisation goes through the JIT, later ones straight to the compiled kernel's
     launcher with every argument in order; a new dtype, a None pointer, a specialised integer becoming 1 or
     a multiple of 16, or a constexpr change is a new specialisation; an opted-out integer is not; unaligned
-    pointers and integers beyond 32 bits always take the JIT."""
+    pointers, tensors off the GPU and integers beyond 32 bits always take the JIT."""
     from triton import knobs
     from triton.runtime.jit import JITFunction
 
@@ -275,7 +275,9 @@ def test_direct_launcher_keys_and_launches(monkeypatch):
     launcher.kernel = FakeJit()
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
     x = torch.zeros(64, dtype=torch.float32)
+    p = x.data_ptr()  # the direct path hands addresses to the launcher
     opts = {"num_warps": 4}
 
     def launch(*args, grid=(3,)):
@@ -284,7 +286,7 @@ def test_direct_launcher_keys_and_launches(monkeypatch):
 
     assert launch(x, x, 5, 7, 0.5, 32, True) == (1, 0)
     assert launch(x, x, 9, 7, 0.25, 32, True) == (1, 1)  # n opts out, scale is a plain float
-    assert direct_calls[-1] == (3, 1, 1, 1234, "fn", "meta", None, None, None, x, x, 9, 7, 0.25, 32, True)
+    assert direct_calls[-1] == (3, 1, 1, 1234, "fn", "meta", None, None, None, p, p, 9, 7, 0.25, 32, True)
     assert launch(x, x, 5, 7, 0.5, 32, True, grid=(2, 5)) == (1, 2) and direct_calls[-1][:3] == (2, 5, 1)
     assert launch(x, x, 5, 16, 0.5, 32, True) == (2, 2)  # stride divisible by 16
     assert launch(x, x, 5, 1, 0.5, 32, True) == (3, 2)  # stride == 1
@@ -309,7 +311,9 @@ def test_direct_launcher_keys_and_launches(monkeypatch):
     assert launch(x, x, 5, 7, 0.5, 32, True) == (10, 3)
     assert launch(x, x, 6, 7, 0.5, 32, True, grid=(4, 2, 2)) == (10, 4)
     assert direct_calls[-1] == ("c", 4, 2, 2, 1234, "fn", False, True, None, None, "meta", None, None, None,
-                                x, x, 6, 7, 0.5, 32, True)
+                                p, p, 6, 7, 0.5, 32, True)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
+    assert launch(x, x, 6, 7, 0.5, 32, True) == (11, 4)  # a tensor off the GPU: the JIT rejects it
 
 
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU

@@ -1,14 +1,16 @@
 """Launch compiled Triton kernels without the JIT's per-call binder (short prefills are host-bound).
 
 ``JITFunction.run`` binds arguments, derives the specialisation key, looks the kernel up, builds
-launch metadata and only then launches: about 9 us per launch on an H200 host, two launches per
-prefill. :class:`DirectLauncher` keys its own cache on what Triton specialises on -- constexpr
-values, pointer dtypes (None included), integers equal to 1 or divisible by 16 unless the kernel
-opts out -- for pointers that are all 16-byte aligned; it compiles and launches the first time
-through the JIT and afterwards hands the arguments straight to the compiled kernel's launcher.
+launch metadata and only then launches: 46-52 us per launch on the H200 machine's (virtualised)
+host, against 27 us for this launcher in its first form; two launches per prefill.
+:class:`DirectLauncher` keys its own cache on what Triton specialises on -- constexpr values,
+pointer dtypes (None included), integers equal to 1 or divisible by 16 unless the kernel opts
+out -- for pointers that are all 16-byte aligned; it compiles and launches the first time
+through the JIT and afterwards hands the arguments straight to the compiled kernel's C launch
+function, tensors as device addresses (no ``data_ptr()`` call and driver pointer query per tensor).
 
-Everything else goes through the JIT as usual: a pointer that is not 16-byte aligned, an integer
-beyond 32 bits, ``TRITON_INTERPRET`` (CPU), launch hooks installed (profilers).
+Everything else goes through the JIT as usual: a pointer that is not 16-byte aligned, a tensor not
+on a CUDA device, an integer beyond 32 bits, ``TRITON_INTERPRET`` (CPU), launch hooks installed (profilers).
 Convention: pointer parameters are named ``*_ptr``.
 """
 
@@ -43,21 +45,29 @@ class DirectLauncher:
         ptrs = [i for i, p in enumerate(params) if p.name.endswith("_ptr")]
         consts = [i for i, p in enumerate(params) if p.is_constexpr]
         scalars = [i for i, p in enumerate(params) if i not in ptrs and i not in consts]
-        self.ptrs = _getter(ptrs)
+        self.ptr_index = ptrs
         self.consts = _getter(consts)
         self.specialised = [i for i in scalars if not params[i].do_not_specialize]
         self.plain = [i for i in scalars if params[i].do_not_specialize]
 
-    def key(self, args: tuple) -> tuple | None:
-        """What Triton would specialise on, or None where this launcher leaves the call to the JIT."""
+    def key(self, args: tuple) -> tuple[tuple, list] | None:
+        """(what Triton would specialise on, the arguments with every tensor replaced by its device address),
+        or None where this launcher leaves the call to the JIT. Addresses spare the C launcher a
+        ``data_ptr()`` call and a driver pointer query per tensor on every launch; the JIT's first launch
+        of a specialisation checked them, and tensors not on a CUDA device go to the JIT (which rejects them)."""
         dtypes = []
+        raw = list(args)
         addresses = 0
-        for a in self.ptrs(args):
+        for i in self.ptr_index:
+            a = args[i]
             if a is None:
                 dtypes.append(None)
+            elif not a.is_cuda:
+                return None
             else:
                 dtypes.append(a.dtype)
-                addresses |= a.data_ptr()
+                raw[i] = a.data_ptr()
+                addresses |= raw[i]
         if addresses & 15:
             return None
         scalars = []
@@ -73,25 +83,25 @@ class DirectLauncher:
             a = args[i]
             if type(a) is int and not -_I32 <= a < _I32:
                 return None
-        return (*dtypes, *scalars, *self.consts(args))
+        return (*dtypes, *scalars, *self.consts(args)), raw
 
     def __call__(self, grid: tuple[int, ...], args: tuple, options: dict) -> None:
         if self.interpret or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
             self.kernel[grid](*args, **options)
             return
-        key = self.key(args)
-        if key is None:
+        planned = self.key(args)
+        if planned is None:
             self.kernel[grid](*args, **options)
             return
         device = torch.cuda.current_device()
-        key = (device, *options.items(), *key)
+        key = (device, *options.items(), *planned[0])
         launch = self.cache.get(key)
         if launch is None:  # first call of this specialisation: the JIT compiles and launches it
             compiled = self.kernel[grid](*args, **options)
             self.cache[key] = _launch_function(compiled.result() if hasattr(compiled, "result") else compiled)
             return
         launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-               torch._C._cuda_getCurrentRawStream(device), *args)
+               torch._C._cuda_getCurrentRawStream(device), *planned[1])
 
 
 def _launch_function(compiled):
