@@ -134,6 +134,8 @@ def test_prefill_single_sequence_no_state_and_metadata():
     assert_close(ht, rht, TOL[torch.float32], "final state")
     o_none, _ = kt.gdn_chunk_prefill(**d, use_qk_l2norm=True)
     assert torch.equal(o_none, o)
+    o_split, _ = kt.gdn_chunk_prefill(**d, use_qk_l2norm=True, scan_config={"BV": 16, "num_warps": 4, "num_stages": 1})
+    assert_close(o_split, ro, TOL[torch.float32], "output with the scan in two V blocks")
 
     cu = cu_from_lens([T], DEV)
     meta = kt.prepare_gdn_metadata(cu, 64)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -467,11 +468,50 @@ def _split_prepare_config(device: torch.device, dtype: torch.dtype, override: di
     return flags, options
 
 
-@functools.lru_cache(maxsize=64)
-def _dtypes(device: torch.device, dtype: torch.dtype) -> tuple[torch.dtype, str, int]:
-    """(workspace dtype, dot precision, workspace elements per fp32) for an activation dtype."""
+class _Plan(NamedTuple):
+    """Everything about a call that depends only on (device, dtype, sequences, heads, head dims, tokens per
+    sequence rounded to a power of two): computed once, so the per-call host work is allocations and launches."""
+
+    ws_dtype: torch.dtype
+    ws_row: int  # workspace elements per (value head, token), see _workspace
+    dot_prec: str
+    prepare_consts: tuple  # K, V, BKC, BVC, C
+    prepare_flags: tuple  # DOT_PREC, EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE
+    prepare_options: dict
+    scan_consts: tuple  # K, V, BK, BV, C
+    scan_options: dict
+
+    def scan_grid(self, N: int, HV: int) -> tuple[int, int]:
+        V, BV = self.scan_consts[1], self.scan_consts[3]
+        return -(-V // BV), N * HV
+
+    def _replace_configs(self, device: torch.device, dtype: torch.dtype, prepare_config: dict | None,
+                         scan_config: dict | None) -> _Plan:
+        """This plan with the launch configs a caller passed in (the benchmark's variants)."""
+        plan = self
+        if prepare_config is not None:
+            flags, options = _split_prepare_config(device, dtype, prepare_config)
+            plan = plan._replace(prepare_options=options, prepare_flags=(
+                plan.dot_prec, flags["EXACT_PREC"], flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"]))
+        if scan_config is not None:
+            K, V, BK, _, C = plan.scan_consts
+            plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C),
+                                 scan_options={k: v for k, v in scan_config.items() if k != "BV"})
+        return plan
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: int, per_seq: int) -> _Plan:
     ws_dtype, dot_prec = workspace_dtype(dtype, device)
-    return ws_dtype, dot_prec, 4 // ws_dtype.itemsize
+    BK, BV_full = _pow2(K), _pow2(V)
+    flags, prepare_options = _split_prepare_config(device, dtype, None)
+    scan = _scan_config(device, N, HV, K, V, per_seq, dtype)
+    return _Plan(
+        ws_dtype=ws_dtype, ws_row=(K + V + CHUNK + 7) // 8 * 8 + 3 * (4 // ws_dtype.itemsize), dot_prec=dot_prec,
+        prepare_consts=(K, V, min(BK, 64), min(BV_full, 64), CHUNK),
+        prepare_flags=(dot_prec, flags["EXACT_PREC"], flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"]),
+        prepare_options=prepare_options, scan_consts=(K, V, BK, scan["BV"], CHUNK),
+        scan_options={k: v for k, v in scan.items() if k != "BV"})
 
 
 _launch_prepare = DirectLauncher(_chunk_prepare_kernel)
@@ -511,11 +551,10 @@ def gdn_chunk_prefill(
     kernels launched through :class:`DirectLauncher`.
     """
     T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
+    _, HV, V = v.shape
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         check_head_dims(K, V)
     dev = q.device
-    ws_dtype, dot_prec, per_fp32 = _dtypes(dev, q.dtype)
     if (q.data_ptr() | k.data_ptr()) & 15:
         # The scan stages q and k through pipelined (asynchronous) copies; from views that are not
         # 16-byte aligned these read wrong rows on an H200 (seen with a 2-byte offset), so realign.
@@ -526,7 +565,6 @@ def gdn_chunk_prefill(
     scale = K**-0.5 if scale is None else float(scale)
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else 1
-    BK, BV_full = _pow2(K), _pow2(V)
     if varlen:
         if isinstance(metadata, GdnChunkMetadata):
             mcu = metadata.cu_seqlens
@@ -540,20 +578,19 @@ def gdn_chunk_prefill(
             raise ValueError(f"metadata must come from kernels_triton.prepare_gdn_metadata, got {type(metadata)}")
     else:
         bounds, num_chunks = None, -(-T // CHUNK)
+    plan = _plan(dev, q.dtype, N, HV, K, V, 1 << max(T // max(N, 1), 1).bit_length() - 1)
+    if prepare_config is not None or scan_config is not None:
+        plan = plan._replace_configs(dev, q.dtype, prepare_config, scan_config)
 
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
-    # W, U, Aqk and the fp32 per-token rows in one allocation (layout: _workspace).
-    ws = torch.empty(HV * T * ((K + V + CHUNK + 7) // 8 * 8 + 3 * per_fp32), dtype=ws_dtype, device=dev)
+    ws = torch.empty(HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
 
     # Phase 1: everything that does not need the running state, all chunks in parallel.
     if num_chunks > 0 and T > 0:
-        flags, options = _split_prepare_config(dev, q.dtype, prepare_config)
-        _launch_prepare(
-            (num_chunks * HV,),
-            (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV, K, V, min(BK, 64),
-             min(BV_full, 64), CHUNK, varlen, a is not None, use_qk_l2norm, dot_prec, flags["EXACT_PREC"],
-             flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"]),
-            options)
+        _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV,
+                                             *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
+                                             *plan.prepare_flags),
+                        plan.prepare_options)
 
     # Phase 2: the sequential pass over chunks, state in registers, output and final state written.
     pool = state_pool is not None
@@ -566,12 +603,9 @@ def gdn_chunk_prefill(
             final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
         ht = final
     if N > 0:
-        options = scan_config or _scan_config(dev, N, HV, K, V, 1 << max(T // N, 1).bit_length() - 1, q.dtype)
-        BV = options["BV"]
-        _launch_scan(
-            (-(-V // BV), N * HV),
-            (q, k, ws, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
-             state_pool.stride(0) if pool else HV * K * V, H, HV, K, V, BK, BV, CHUNK, varlen, h0 is not None,
-             ht is not None, pool, has_initial_state is not None, dot_prec),
-            {key: val for key, val in options.items() if key != "BV"})
+        _launch_scan(plan.scan_grid(N, HV),
+                     (q, k, ws, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
+                      state_pool.stride(0) if pool else HV * K * V, H, HV, *plan.scan_consts, varlen, h0 is not None,
+                      ht is not None, pool, has_initial_state is not None, plan.dot_prec),
+                     plan.scan_options)
     return o, final
