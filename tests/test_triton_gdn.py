@@ -258,7 +258,7 @@ def test_direct_launcher_keys_and_launches(monkeypatch):
     from triton import knobs
     from triton.runtime.jit import JITFunction
 
-    from kernels_triton.gdn._launch import DirectLauncher
+    from kernels_triton._launch import DirectLauncher
 
     monkeypatch.setattr(knobs.runtime, "interpret", False)
     launcher = DirectLauncher(JITFunction(_toy_kernel, do_not_specialize=["n"]))

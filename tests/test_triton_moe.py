@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first triton import
 
 import pytest  # noqa: E402
+import triton.language as tl  # noqa: E402
 from helpers import assert_close, rel_err  # noqa: E402
 
 from kernels_triton import _config  # noqa: E402
@@ -272,57 +273,50 @@ def test_tuned_entry_reaches_only_nearby_token_counts(monkeypatch):
         tconfig.configs.cache_clear()
 
 
-class _DeviceTensor(torch.Tensor):
-    """A CPU tensor that reports itself as a CUDA one: drives DirectLauncher's hit path without a GPU."""
-
-    @property
-    def is_cuda(self):  # noqa: ANN201
-        return True
+def _toy_kernel(x_ptr, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = True):
+    pass  # never compiled: the test below fakes the JIT and the compiled kernel
 
 
-def test_direct_launcher_keys_and_argument_order(monkeypatch):
-    from kernels_triton.moe import launch
+def test_direct_launcher_by_name_call_form(monkeypatch):
+    """``launcher[grid](*args, **kw)`` (the MoE call sites' form) completes trailing parameters from keywords
+    and defaults, passes the rest as launch options, and switches off with ``ENABLED``. The keying itself is
+    tested in test_triton_gdn.py."""
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    from kernels_triton import _launch
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    launcher = _launch.DirectLauncher(JITFunction(_toy_kernel))
+    jit_calls, direct_calls = [], []
 
     class Compiled:
-        function, packed_metadata, launches = "fn", "meta", []
+        function, packed_metadata = "fn", "meta"
 
         def run(self, *a):
-            self.launches.append(a)
+            direct_calls.append(a)
 
-    compiled, ordinary = Compiled(), []
-
-    class Kernel:
-        arg_names = ["x_ptr", "n", "BLOCK"]
-
+    class FakeJit:
         def __getitem__(self, grid):
-            return lambda *a, **k: ordinary.append((grid, a, k)) or compiled
+            return lambda *args, **options: jit_calls.append((grid, args, options)) or Compiled()
 
-    class Driver:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device):
-            return 7
-
-    monkeypatch.setattr(launch, "driver", type("D", (), {"active": Driver()})())
-    launcher = launch.DirectLauncher(Kernel())
-    buf = torch.zeros(64).as_subclass(_DeviceTensor)
-    launcher[(3,)](buf, 5, BLOCK=16, num_warps=4)  # miss: the ordinary path, kernel recorded
+    launcher.kernel = FakeJit()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    buf = torch.zeros(64)
+    launcher[(3,)](buf, 5, BLOCK=16, num_warps=4)  # first call: the JIT, with every parameter in order
+    assert jit_calls == [((3,), (buf, 5, 16, True), {"num_warps": 4})]
     launcher[(4, 2)](buf, 5, BLOCK=16, num_warps=4)  # hit
-    assert len(ordinary) == 1 and launcher.hits == 1
-    assert Compiled.launches == [(4, 2, 1, 7, "fn", "meta", None, None, None, buf, 5, 16)]
-    for args, kw in (((buf, 6), dict(BLOCK=16, num_warps=4)),  # another int: its own entry
-                     ((buf[1:], 5), dict(BLOCK=16, num_warps=4)),  # 4 bytes past alignment
-                     ((buf.half(), 5), dict(BLOCK=16, num_warps=4)),  # another dtype
-                     ((buf, 5), dict(BLOCK=32, num_warps=4))):  # another constexpr
-        launcher[(1,)](*args, **kw)
-    assert len(ordinary) == 5 and launcher.hits == 1
-    launcher[(1,)](torch.zeros(4), 5, BLOCK=16, num_warps=4)  # a CPU tensor (the interpreter): never cached
-    launcher[(1,)](torch.zeros(4), 5, BLOCK=16, num_warps=4)
-    assert len(ordinary) == 7 and launcher.hits == 1
-    monkeypatch.setattr(launch, "ENABLED", False)
-    launcher[(1,)](buf, 5, BLOCK=16, num_warps=4)
-    assert len(ordinary) == 8 and launcher.hits == 1
+    assert launcher.hits == 1
+    assert direct_calls[-1] == (4, 2, 1, 7, "fn", "meta", None, None, None, buf.data_ptr(), 5, 16, True)
+    launcher[(1,)](buf, 5, BLOCK=16, FLAG=False, num_warps=4)  # another constexpr: compiled anew
+    assert len(jit_calls) == 2 and jit_calls[-1][1] == (buf, 5, 16, False)
+    with pytest.raises(TypeError, match="BLOCK"):
+        launcher[(1,)](buf, 5, num_warps=4)
+    monkeypatch.setattr(_launch, "ENABLED", False)
+    launcher[(4, 2)](buf, 5, BLOCK=16, num_warps=4)
+    assert len(jit_calls) == 3 and launcher.hits == 1
 
 
 def test_facade_selects_and_self_tests_triton(fresh_probe, monkeypatch):

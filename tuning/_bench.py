@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import statistics
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -65,6 +66,19 @@ def time_graph_ms(fn: Callable[[], object], *, calls_per_graph: int = 20, rep: i
         end.synchronize()
         times.append(start.elapsed_time(end) / calls_per_graph)
     return statistics.median(times)
+
+
+def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
+    """CPU wall time per call of back-to-back launches (no sync inside): the host cost when the GPU keeps up."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / calls * 1e6
 
 
 def ceilings() -> dict[str, float]:

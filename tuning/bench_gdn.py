@@ -119,19 +119,6 @@ def kernel_times_ms(fn, calls: int = 3) -> dict[str, float]:
     return {k: round(v, 4) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
 
 
-def host_us_per_call(fn, calls: int = 200) -> float:
-    """CPU wall time per call of back-to-back launches (no sync inside): the host cost when the GPU keeps up."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
-
-
 def bench_prefill(fla, args, ceil: dict, rows: list[dict], deadline: float, save=lambda: None) -> None:
     import kernels_triton as kt
 
@@ -181,27 +168,27 @@ def bench_host(fla, rows: list[dict], deadline: float) -> None:
     first call), through Triton's JIT launch path, with the launches left out (wrapper and allocations), and
     FLA's when it is there."""
     import kernels_triton as kt
-    from kernels_triton.gdn import _launch, chunk
+    from kernels_triton import _launch
+    from kernels_triton.gdn import chunk
 
     for hname in ("27B-TP4", "397B-TP8"):
         H, HV = HEADS[hname]
         d = _prefill_inputs([64], H, HV)
         meta = kt.prepare_gdn_metadata(d["cu"])
         fn = _ours_prefill(d, meta)
-        ours = host_us_per_call(fn)
-        key = _launch.DirectLauncher.key
-        _launch.DirectLauncher.key = lambda self, args: None  # every launch through the JIT
+        ours = _bench.host_us_per_call(fn)
+        _launch.ENABLED = False  # every launch through the JIT
         try:
-            jit = host_us_per_call(fn)
+            jit = _bench.host_us_per_call(fn)
         finally:
-            _launch.DirectLauncher.key = key
+            _launch.ENABLED = True
         launchers = chunk._launch_prepare, chunk._launch_scan
         chunk._launch_prepare = chunk._launch_scan = lambda grid, args, options: None
         try:
-            wrapper = host_us_per_call(fn)
+            wrapper = _bench.host_us_per_call(fn)
         finally:
             chunk._launch_prepare, chunk._launch_scan = launchers
-        theirs = host_us_per_call(_fla_prefill(fla, d)) if fla is not None and time.time() < deadline else None
+        theirs = _bench.host_us_per_call(_fla_prefill(fla, d)) if fla is not None and time.time() < deadline else None
         rows.append(_bench.row("gdn_chunk_prefill host cost", f"{hname} T=64", "bfloat16", ours / 1e3,
                                "fla.chunk_gated_delta_rule" if theirs else None,
                                None if theirs is None else theirs / 1e3, host_us=round(ours, 1),

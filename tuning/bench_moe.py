@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 
 from tuning import _bench
-from tuning.bench_gdn import host_us_per_call  # the same measurement as the GDN bench's
 
 DEVICE = "cuda"
 SHAPES = {  # name: (E, k, H, I)
@@ -111,13 +110,13 @@ def _gpu_ms(fn, M: int) -> float:  # noqa: ANN001
 
 def _host_us_binder(fn) -> float:  # noqa: ANN001
     """``host_us`` with every launch through ``JITFunction.run`` (DirectLauncher off): what the direct path saves."""
-    from kernels_triton.moe import launch
+    from kernels_triton import _launch
 
-    launch.ENABLED = False
+    _launch.ENABLED = False
     try:
-        return host_us_per_call(fn, calls=50)
+        return _bench.host_us_per_call(fn, calls=50)
     finally:
-        launch.ENABLED = True
+        _launch.ENABLED = True
 
 
 def _weights(E: int, H: int, I: int, dtype=torch.bfloat16, seed: int = 0) -> dict:  # noqa: ANN001
@@ -189,7 +188,7 @@ def bench_shape(name: str, M: int, w: dict, ceil: dict, with_breakdown: bool) ->
     mem_floor = weight_bytes / ceil["copy_GBps"] / 1e6
     flop_floor = (expert_flop + 2 * M * E * H) / ceil["bf16_TFLOPs"] / 1e9
     ours_ms, method = _time(lambda: ours(*args), M)
-    host_us = host_us_per_call(lambda: ours(*args), calls=50)
+    host_us = _bench.host_us_per_call(lambda: ours(*args), calls=50)
     host_binder_us = _host_us_binder(lambda: ours(*args))
     gpu_ms = ours_ms if method == "graph" else _gpu_ms(lambda: ours(*args), M)
     shared_ms, _ = _time(lambda: ours(*args, shared=w["shared"]), M)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton import _config
-from kernels_triton.gdn._launch import DirectLauncher
+from kernels_triton._launch import DirectLauncher
 
 CHUNK = 64  # tokens per chunk; the kernels are written for 16 <= C <= 64 (inverse by 16-row blocks)
 MAX_HEAD_DIM = 256  # K and V beyond this would not fit the per-program tiles

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton import _config
-from kernels_triton.gdn._launch import DirectLauncher
+from kernels_triton._launch import DirectLauncher
 from kernels_triton.gdn.chunk import _cdiv, _gating, _pow2, check_head_dims, device_facts
 
 

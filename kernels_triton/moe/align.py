@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton.moe.launch import DirectLauncher
+from kernels_triton._launch import DirectLauncher
 from kernels_triton.moe.routing import _route_tile, cdiv, pow2, route_launch_params, route_warps
 
 SINGLE_CHUNK_MAX = 1024  # slots handled by one fused program
@@ -201,7 +201,7 @@ def _scatter_kernel(slot_group_ptr, counts_ptr, base_ptr, sorted_ptr, block_grou
     tl.store(block_group_ptr + pos // BLOCK_M, g, mask=real)  # every row of a block writes the same value
 
 
-# launched through DirectLauncher: no per-call argument binding once compiled (see launch.py)
+# launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
 _launch_align_single = DirectLauncher(_align_single_kernel)
 _launch_route_align = DirectLauncher(_route_align_kernel)
 _launch_count = DirectLauncher(_count_kernel)

@@ -19,9 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton._launch import DirectLauncher
 from kernels_triton.moe.align import Alignment
 from kernels_triton.moe.config import GemmConfig
-from kernels_triton.moe.launch import DirectLauncher
 from kernels_triton.moe.routing import cdiv, pow2
 
 
@@ -147,7 +147,7 @@ def _combine_kernel(y_ptr, slot_group_ptr, extra_ptr, out_ptr, H, SLOTS: tl.cons
     tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-# launched through DirectLauncher: no per-call argument binding once compiled (see launch.py)
+# launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
 _launch_gate_up = DirectLauncher(_gate_up_kernel)
 _launch_down = DirectLauncher(_down_kernel)
 _launch_combine = DirectLauncher(_combine_kernel)

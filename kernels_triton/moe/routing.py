@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton.moe.launch import DirectLauncher
+from kernels_triton._launch import DirectLauncher
 
 ROUTE_TILE = 4096  # elements of the [rows, E_PAD] logits tile one route program holds
 
@@ -128,7 +128,7 @@ def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, SHARED_ID, N_SPLITS: t
                 RENORMALIZE, HAS_GATE, HAS_SHARED)
 
 
-# launched through DirectLauncher: no per-call argument binding once compiled (see launch.py)
+# launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
 _launch_router_logits = DirectLauncher(_router_logits_kernel)
 _launch_route = DirectLauncher(_route_kernel)
 

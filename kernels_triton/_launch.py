@@ -2,7 +2,8 @@
 
 ``JITFunction.run`` binds arguments, derives the specialisation key, looks the kernel up, builds
 launch metadata and only then launches: 46-52 us per launch on the H200 machine's (virtualised)
-host, against 27 us for this launcher in its first form; two launches per prefill.
+host, against 27 us for this launcher in its first form; a prefill makes two launches and an MoE
+block five or six, so at short prompts and decode the host, not the GPU, set the pace.
 :class:`DirectLauncher` keys its own cache on what Triton specialises on -- constexpr values,
 pointer dtypes (None included), integers equal to 1 or divisible by 16 unless the kernel opts
 out -- for pointers that are all 16-byte aligned; it compiles and launches the first time
@@ -10,19 +11,26 @@ through the JIT and afterwards hands the arguments straight to the compiled kern
 function, tensors as device addresses (no ``data_ptr()`` call and driver pointer query per tensor).
 
 Everything else goes through the JIT as usual: a pointer that is not 16-byte aligned, a tensor not
-on a CUDA device, an integer beyond 32 bits, ``TRITON_INTERPRET`` (CPU), launch hooks installed (profilers).
-Convention: pointer parameters are named ``*_ptr``.
+on a CUDA device, an integer beyond 32 bits, ``TRITON_INTERPRET`` (CPU), launch hooks installed
+(profilers), or ``QWEN35_DIRECT_LAUNCH=0`` in the environment.
+Convention: pointer parameters are named ``*_ptr`` (a tensor anywhere else sends the call to the JIT).
+
+Two call forms: ``launcher(grid, args, options)`` with every parameter positional, or
+``launcher[grid](*args, **kwargs)`` like ``kernel[grid](...)`` (trailing parameters by name, the rest of
+the keywords are launch options such as ``num_warps``).
 """
 
 from __future__ import annotations
 
 import operator
+import os
 
 import torch
 import triton
 from triton import knobs
 
 _I32 = 2**31
+ENABLED = os.environ.get("QWEN35_DIRECT_LAUNCH", "1") != "0"  # read at each launch: tests switch it
 
 
 def _getter(idx: list[int]):
@@ -39,9 +47,12 @@ class DirectLauncher:
         self.kernel = kernel
         self.interpret = bool(knobs.runtime.interpret)  # then ``kernel`` is Triton's interpreter wrapper
         self.cache: dict[tuple, object] = {}
+        self.hits = 0  # launches that took the direct path
         if self.interpret:
             return
         params = kernel.params
+        self.names = [p.name for p in params]
+        self.defaults = {p.name: p.default for p in params if p.default is not p._param.empty}
         ptrs = [i for i, p in enumerate(params) if p.name.endswith("_ptr")]
         consts = [i for i, p in enumerate(params) if p.is_constexpr]
         scalars = [i for i, p in enumerate(params) if i not in ptrs and i not in consts]
@@ -77,6 +88,8 @@ class DirectLauncher:
                 if not -_I32 <= a < _I32:
                     return None
                 scalars.append((a == 1, a % 16 == 0))
+            elif isinstance(a, torch.Tensor):
+                return None
             else:
                 scalars.append(type(a))
         for i in self.plain:
@@ -85,8 +98,28 @@ class DirectLauncher:
                 return None
         return (*dtypes, *scalars, *self.consts(args)), raw
 
+    def __getitem__(self, grid: tuple[int, ...]):
+        """``launcher[grid](*args, **kwargs)``: the call form of ``kernel[grid](...)``."""
+        return lambda *args, **kwargs: self._call_by_name(grid, args, kwargs)
+
+    def _call_by_name(self, grid: tuple[int, ...], args: tuple, kwargs: dict) -> None:
+        if self.interpret:
+            self.kernel[grid](*args, **kwargs)
+            return
+        options = dict(kwargs)
+        tail = []
+        for name in self.names[len(args):]:
+            if name in options:
+                tail.append(options.pop(name))
+            elif name in self.defaults:
+                tail.append(self.defaults[name])
+            else:
+                raise TypeError(f"{self.names[0]}...: missing kernel argument {name!r}")
+        self(grid, (*args, *tail), options)
+
     def __call__(self, grid: tuple[int, ...], args: tuple, options: dict) -> None:
-        if self.interpret or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+        if (self.interpret or not ENABLED or knobs.runtime.launch_enter_hook.calls
+                or knobs.runtime.launch_exit_hook.calls):
             self.kernel[grid](*args, **options)
             return
         planned = self.key(args)
@@ -100,6 +133,7 @@ class DirectLauncher:
             compiled = self.kernel[grid](*args, **options)
             self.cache[key] = _launch_function(compiled.result() if hasattr(compiled, "result") else compiled)
             return
+        self.hits += 1
         launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
                torch._C._cuda_getCurrentRawStream(device), *planned[1])
 
