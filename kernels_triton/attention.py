@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton._launch import DirectLauncher
+
 
 @triton.jit(do_not_specialize=["L", "blocks_per_split", "n_splits"])
 def _decode_split_kernel(
@@ -105,6 +107,9 @@ def _decode_merge_kernel(
 
 # ----------------------------------------------------------------------------- host side
 
+_launch_split = DirectLauncher(_decode_split_kernel)  # no per-call argument binding once compiled
+_launch_merge = DirectLauncher(_decode_merge_kernel)
+
 
 @functools.cache
 def _sm_count(device: torch.device) -> int:
@@ -161,10 +166,10 @@ def attention_decode(
         raise ValueError(f"unknown attention_decode config keys {sorted(cfg)}; accepted: BN, n_splits, num_warps, "
                          "num_stages")
     q = q.contiguous()
-    _decode_split_kernel[(n_splits, B * KV)](
+    _launch_split[(n_splits, B * KV)](
         q, k_cache, v_cache, slots, lengths, part, m_part, l_part,
         float(scale), L, k_cache.stride(0), k_cache.stride(1), per, n_splits,
         H=H, KV=KV, G=G, GP=_pow2(G, 16), D=D, BD=BD, BN=BN, DOT_PREC=dot_prec, **launch)
-    _decode_merge_kernel[(B * H,)](part, m_part, l_part, o, n_splits, H=H, KV=KV, G=G, D=D, BD=BD,
+    _launch_merge[(B * H,)](part, m_part, l_part, o, n_splits, H=H, KV=KV, G=G, D=D, BD=BD,
                                    BS=min(32, _pow2(n_splits, 2)), num_warps=4)
     return o
