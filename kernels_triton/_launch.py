@@ -5,14 +5,14 @@ launch metadata and only then launches: 46-52 us per launch on the H200 machine'
 host, against 27 us for this launcher in its first form; a prefill makes two launches and an MoE
 block five or six, so at short prompts and decode the host, not the GPU, set the pace.
 :class:`DirectLauncher` keys its own cache on what Triton specialises on -- constexpr values,
-pointer dtypes (None included), integers equal to 1 or divisible by 16 unless the kernel opts
-out -- for pointers that are all 16-byte aligned; it compiles and launches the first time
+pointer dtypes (None included) and 16-byte alignment, integers equal to 1 or divisible by 16
+unless the kernel opts out; it compiles and launches the first time
 through the JIT and afterwards hands the arguments straight to the compiled kernel's C launch
 function, tensors as device addresses (no ``data_ptr()`` call and driver pointer query per tensor).
 
-Everything else goes through the JIT as usual: a pointer that is not 16-byte aligned, a tensor not
-on a CUDA device, an integer beyond 32 bits, ``TRITON_INTERPRET`` (CPU), launch hooks installed
-(profilers), or ``QWEN35_DIRECT_LAUNCH=0`` in the environment.
+Everything else goes through the JIT as usual: a tensor not on a CUDA device, an integer beyond
+32 bits, ``TRITON_INTERPRET`` (CPU), launch hooks installed (profilers), or ``QWEN35_DIRECT_LAUNCH=0``
+in the environment.
 Convention: pointer parameters are named ``*_ptr`` (a tensor anywhere else sends the call to the JIT).
 
 Two call forms: ``launcher(grid, args, options)`` with every parameter positional, or
@@ -68,7 +68,6 @@ class DirectLauncher:
         of a specialisation checked them, and tensors not on a CUDA device go to the JIT (which rejects them)."""
         dtypes = []
         raw = list(args)
-        addresses = 0
         for i in self.ptr_index:
             a = args[i]
             if a is None:
@@ -76,11 +75,8 @@ class DirectLauncher:
             elif not a.is_cuda:
                 return None
             else:
-                dtypes.append(a.dtype)
-                raw[i] = a.data_ptr()
-                addresses |= raw[i]
-        if addresses & 15:
-            return None
+                raw[i] = address = a.data_ptr()
+                dtypes.append((a.dtype, address & 15 == 0))  # Triton specialises on 16-byte alignment
         scalars = []
         for i in self.specialised:
             a = args[i]

@@ -253,8 +253,8 @@ def _toy_kernel(x_ptr, y_ptr, n, stride, scale, BLOCK: tl.constexpr, FLAG: tl.co
 def test_direct_launcher_keys_and_launches(monkeypatch):
     """The first call of a specialisation goes through the JIT, later ones straight to the compiled kernel's
     launcher with every argument in order; a new dtype, a None pointer, a specialised integer becoming 1 or
-    a multiple of 16, or a constexpr change is a new specialisation; an opted-out integer is not; unaligned
-    pointers, tensors off the GPU and integers beyond 32 bits always take the JIT."""
+    a multiple of 16, a pointer's 16-byte alignment or a constexpr change is a new specialisation; an
+    opted-out integer is not; tensors off the GPU and integers beyond 32 bits always take the JIT."""
     from triton import knobs
     from triton.runtime.jit import JITFunction
 
@@ -296,9 +296,10 @@ def test_direct_launcher_keys_and_launches(monkeypatch):
     assert launch(x, x.half(), 5, 7, 0.5, 32, True) == (5, 2)
     assert launch(x, x, 5, 7, 0.5, 64, True) == (6, 2)
     assert launch(x, x, 5, 7, 0.5, 32, True) == (6, 3)
-    assert launch(x[1:], x, 5, 7, 0.5, 32, True) == (7, 3)  # 4-byte aligned view
-    assert launch(x[1:], x, 5, 7, 0.5, 32, True) == (8, 3)
-    assert launch(x, x, 2**33, 7, 0.5, 32, True) == (9, 3)
+    assert launch(x[1:], x, 5, 7, 0.5, 32, True) == (7, 3)  # 4-byte aligned view: its own specialisation
+    assert launch(x[1:], x, 5, 7, 0.5, 32, True) == (7, 4)
+    assert direct_calls[-1][9] == p + 4
+    assert launch(x, x, 2**33, 7, 0.5, 32, True) == (8, 4)
     assert jit_calls[-1] == ((3,), (x, x, 2**33, 7, 0.5, 32, True), opts)
 
     class Runner:  # Triton's CudaLauncher: without scratch memory its C launch function is called directly
@@ -310,12 +311,12 @@ def test_direct_launcher_keys_and_launches(monkeypatch):
 
     Compiled.run = Runner()
     launcher.cache.clear()
-    assert launch(x, x, 5, 7, 0.5, 32, True) == (10, 3)
-    assert launch(x, x, 6, 7, 0.5, 32, True, grid=(4, 2, 2)) == (10, 4)
+    assert launch(x, x, 5, 7, 0.5, 32, True) == (9, 4)
+    assert launch(x, x, 6, 7, 0.5, 32, True, grid=(4, 2, 2)) == (9, 5)
     assert direct_calls[-1] == ("c", 4, 2, 2, 1234, "fn", False, True, None, None, "meta", None, None, None,
                                 p, p, 6, 7, 0.5, 32, True)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
-    assert launch(x, x, 6, 7, 0.5, 32, True) == (11, 4)  # a tensor off the GPU: the JIT rejects it
+    assert launch(x, x, 6, 7, 0.5, 32, True) == (10, 5)  # a tensor off the GPU: the JIT rejects it
 
 
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU
