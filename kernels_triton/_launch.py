@@ -30,7 +30,8 @@ import triton
 from triton import knobs
 
 _I32 = 2**31
-ENABLED = os.environ.get("QWEN35_DIRECT_LAUNCH", "1") != "0"  # read at each launch: tests switch it
+ENABLED = os.environ.get("QWEN35_DIRECT_LAUNCH", "1") != "0"  # set at import; the module attribute is read
+# at each launch, so tests and benchmarks can switch it
 
 
 def _getter(idx: list[int]):
@@ -45,7 +46,9 @@ class DirectLauncher:
 
     def __init__(self, kernel: triton.JITFunction) -> None:
         self.kernel = kernel
-        self.interpret = bool(knobs.runtime.interpret)  # then ``kernel`` is Triton's interpreter wrapper
+        # Under the interpreter ``kernel`` is Triton's interpreter wrapper; an autotuned or heuristics
+        # wrapper has no single compiled kernel per key: both always take the ordinary path.
+        self.interpret = bool(knobs.runtime.interpret) or not isinstance(kernel, triton.JITFunction)
         self.cache: dict[tuple, object] = {}
         self.hits = 0  # launches that took the direct path
         if self.interpret:
@@ -88,11 +91,13 @@ class DirectLauncher:
                 return None
             else:
                 scalars.append(type(a))
-        for i in self.plain:
+        for i in self.plain:  # not specialised on value, but an int and a float compile differently
             a = args[i]
             if type(a) is int and not -_I32 <= a < _I32:
                 return None
-        return (*dtypes, *scalars, *self.consts(args)), raw
+            scalars.append(type(a))
+        # constexprs by type and value: True, 1 and 1.0 are equal in Python but compile differently
+        return (*dtypes, *scalars, *((type(c), c) for c in self.consts(args))), raw
 
     def __getitem__(self, grid: tuple[int, ...]):
         """``launcher[grid](*args, **kwargs)``: the call form of ``kernel[grid](...)``."""

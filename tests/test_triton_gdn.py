@@ -176,6 +176,48 @@ def test_decode_step_pool(dtype, T):
         assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
 
 
+def test_rows_beyond_one_grid_dimension(monkeypatch):
+    """(sequence, head) pairs spill into grid z past CUDA's 65535 limit on y (B x HV reaches it at B = 1024 with
+    64 value heads); forced here with a limit of 5, prefill and decode still match the reference."""
+    from kernels_triton.gdn import chunk
+
+    monkeypatch.setattr(chunk, "MAX_GRID_Y", 5)
+    assert chunk.grid_rows(12) == (4, 3) and chunk.grid_rows(5) == (5, 1) and chunk.grid_rows(11) == (4, 3)
+    lens, H, HV, K, V = [5, 70, 3], 2, 4, 16, 16  # 12 pairs over 3 z-slices of 4
+    d = _inputs(lens, H, HV, K, V, torch.float32)
+    cu = cu_from_lens(lens, DEV)
+    o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True)
+    ro, rht = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(),
+                                    output_final_state=True, use_qk_l2norm=True)
+    assert_close(o, ro, TOL[torch.float32], "prefill output")
+    assert_close(ht, rht, TOL[torch.float32], "final state")
+    B = 3  # 12 pairs again
+    dd = gdn_inputs(1, H, HV, K, V, device=DEV, raw=True, batch=(B,), seed=5)
+    pool = (torch.randn(4, HV, K, V, generator=torch.Generator().manual_seed(6)) * 0.1).to(DEV)
+    slots = torch.tensor([3, 0, 1], dtype=torch.int32, device=DEV)
+    ours, theirs = pool.clone(), pool.double().cpu()
+    od = kt.gdn_recurrent_step(**dd, state_pool=ours, state_slots=slots, use_qk_l2norm=True)
+    rd = ref.gdn_recurrent_step(**_to64({k: v.cpu() for k, v in dd.items()}), state_pool=theirs,
+                                state_slots=slots.cpu(), use_qk_l2norm=True)
+    assert_close(od, rd, TOL[torch.float32], "decode output")
+    assert_close(ours, theirs, TOL[torch.float32], "decode pool")
+    assert torch.equal(ours[2], pool[2])
+
+
+def test_metadata_of_a_rewritten_cu_seqlens_is_not_trusted():
+    """A persistent cu_seqlens buffer rewritten for the next batch after its chunk table was prepared: the op
+    rebuilds the table instead of reading chunks the prepare phase never wrote."""
+    lens_old, lens_new, H, HV, K, V = [70, 30], [10, 90], 2, 2, 16, 16
+    d = _inputs(lens_new, H, HV, K, V, torch.float32)
+    cu = cu_from_lens(lens_old, DEV)
+    meta = kt.prepare_gdn_metadata(cu)
+    cu.copy_(cu_from_lens(lens_new, DEV))
+    o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, metadata=meta, use_qk_l2norm=True)
+    ro, _ = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(),
+                                  use_qk_l2norm=True)
+    assert_close(o, ro, TOL[torch.float32], "output")
+
+
 def test_continuation_prefill_then_decode():
     """Prefill the first part into a pool slot, decode the rest token by token: same as one prefill."""
     T0, T1, H, HV, K, V = 70, 3, 1, 2, 16, 16
@@ -319,6 +361,23 @@ def test_direct_launcher_keys_and_launches(monkeypatch):
     assert launch(x, x, 6, 7, 0.5, 32, True) == (10, 5)  # a tensor off the GPU: the JIT rejects it
 
 
+def test_direct_launcher_keys_types_not_just_values(monkeypatch):
+    """Triton compiles ``FLAG=True`` and ``FLAG=1``, or an opted-out ``n`` of 5 and of 5.0, separately: so do we."""
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    from kernels_triton._launch import DirectLauncher
+
+    monkeypatch.setattr(knobs.runtime, "interpret", False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    launcher = DirectLauncher(JITFunction(_toy_kernel, do_not_specialize=["n"]))
+    x = torch.zeros(64)
+    base = launcher.key((x, x, 5, 7, 0.5, 32, True))[0]
+    assert launcher.key((x, x, 5, 7, 0.5, 32, 1))[0] != base
+    assert launcher.key((x, x, 5.0, 7, 0.5, 32, True))[0] != base
+    assert launcher.key((x, x, 6, 7, 0.5, 32, True))[0] == base  # n is not specialised on its value
+
+
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU
 
 _HOPPER_BUILD = r'''
@@ -381,3 +440,14 @@ def test_kernels_build_for_hopper():
     proc = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], capture_output=True, text=True, env=env, cwd=root,
                           timeout=600)
     assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_default_diagonal_inverse_is_fp32_exact(monkeypatch):
+    """No dtype's default takes the product-series inverse in plain tf32: it loses the bf16 budget on strongly
+    correlated keys with beta near 1 (see chunk._prepare_config)."""
+    from kernels_triton.gdn import chunk
+
+    monkeypatch.setattr(chunk, "device_facts", lambda device: ("NVIDIA H200", 132, (9, 0)))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        flags, _ = chunk._prepare_config(torch.device("cuda"), dtype)
+        assert not (flags["DIAG_BY_PRODUCT"] and flags["EXACT_PREC"] == "tf32"), dtype

@@ -46,13 +46,16 @@ class GdnChunkMetadata:
 
     ``chunk_bounds`` ``[num_chunks, 2]`` int32 holds (first token, end token) of every chunk of
     every sequence, in order; ``cu_seqlens`` is the tensor it was built from (checked by identity
-    of storage and length, not by value, so no synchronisation happens at use).
+    of storage and length, not by value, so no synchronisation happens at use) and ``version`` its
+    version counter then: if the tensor was written in place since (a persistent buffer reused by
+    a later batch), the op builds the table again on the device instead of trusting this one.
     """
 
     chunk_bounds: torch.Tensor
     num_chunks: int
     chunk_size: int
     cu_seqlens: torch.Tensor
+    version: int = -1
 
 
 def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> GdnChunkMetadata:
@@ -66,7 +69,7 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> GdnC
     for start, end in zip(offsets[:-1], offsets[1:], strict=True):
         bounds += [(s, min(s + CHUNK, end)) for s in range(start, end, CHUNK)]
     table = torch.tensor(bounds or [(0, 0)], dtype=torch.int32).to(cu_seqlens.device, non_blocking=True)
-    return GdnChunkMetadata(table, len(bounds), CHUNK, cu_seqlens)
+    return GdnChunkMetadata(table, len(bounds), CHUNK, cu_seqlens, cu_seqlens._version)
 
 
 def _chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, int]:
@@ -262,8 +265,9 @@ def _chunk_prepare_kernel(
         g = tl.cumsum(g, axis=0)  # chunk-local cumulative log-decay
         # Row scales for the scan (it then feeds q and k to its dots untouched): g, |q|^-1 scale e^g, |k|^-1.
         tl.store(gcum_ptr + head_row + rows, g, mask=tmask)
-        tl.store(gcum_ptr + HV * T + head_row + rows, rq * tl.exp(g), mask=tmask)
-        tl.store(gcum_ptr + 2 * HV * T + head_row + rows, rk, mask=tmask)
+        plane = HV.to(tl.int64) * T  # the three fp32 row-scale planes of gcum, each [HV, T]
+        tl.store(gcum_ptr + plane + head_row + rows, rq * tl.exp(g), mask=tmask)
+        tl.store(gcum_ptr + 2 * plane + head_row + rows, rk, mask=tmask)
 
         i = rows[:, None]
         j = rows[None, :]
@@ -285,18 +289,20 @@ def _chunk_prepare_kernel(
             _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(tu, v, input_precision=DOT_PREC))
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV"])
+@triton.jit(do_not_specialize=["T", "H", "HV", "NH"])
 def _chunk_scan_kernel(
     q_ptr, k_ptr, ws_ptr, o_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
     T, pool_slot_stride,
-    H, HV, K: tl.constexpr, V: tl.constexpr,
+    H, HV, NH, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
     HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     vb = tl.program_id(0)
-    nh = tl.program_id(1)
+    nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (sequence, head) pairs: see grid_rows
+    if nh >= NH:
+        return
     n = nh // HV
     hv = nh % HV
     h = hv // (HV // H)
@@ -335,8 +341,9 @@ def _chunk_scan_kernel(
         head_row = hv.to(tl.int64) * T + chunk_start  # this chunk's first row in the head-major workspace
         g = tl.load(gcum_ptr + head_row + rows, mask=tmask, other=0.0)
         g_last = tl.load(gcum_ptr + head_row + tl.minimum(C, seq_end - chunk_start) - 1)
-        q_scale = tl.load(gcum_ptr + HV * T + head_row + rows, mask=tmask, other=0.0)
-        k_scale = tl.load(gcum_ptr + 2 * HV * T + head_row + rows, mask=tmask, other=0.0)
+        plane = HV.to(tl.int64) * T  # the row-scale planes of gcum (see the prepare kernel)
+        q_scale = tl.load(gcum_ptr + plane + head_row + rows, mask=tmask, other=0.0)
+        k_scale = tl.load(gcum_ptr + 2 * plane + head_row + rows, mask=tmask, other=0.0)
 
         q = _load_tile(q_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
         k = _load_tile(k_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
@@ -370,6 +377,16 @@ def _pow2(n: int, lo: int = 16) -> int:
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+MAX_GRID_Y = 65535  # CUDA's limit on grid dimensions y and z
+
+
+def grid_rows(rows: int) -> tuple[int, int]:
+    """(y, z) grid sizes covering ``rows`` programs, y <= MAX_GRID_Y; the kernel's row is
+    ``program_id(1) + program_id(2) * num_programs(1)`` and rows past the end return at once."""
+    z = _cdiv(rows, MAX_GRID_Y)
+    return _cdiv(rows, z), z
 
 
 def check_head_dims(K: int, V: int) -> None:
@@ -446,16 +463,21 @@ PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC")  # prepare_
 def _prepare_config(device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
     """(kernel flags, launch options) of phase 1 for this device and activation dtype.
 
-    bf16 on sm80+: the 16-row diagonal inverse by the product series in plain tf32 dots and a
-    168-register cap (3 CTAs per SM): 1.45 ms at 27B-TP1 T=32768 against 2.15 for substitution
-    without a cap (H200 sweep, tuning/results/gdn_sweep_r2_nvidia_h200.json); its accuracy is within
-    the bf16 budget on correlated keys (GPU test). fp16 and fp32 keep the substitution (fp32-exact).
+    Every dtype inverts the 16-row diagonal blocks by substitution, exact in fp32. bf16 on sm80+ adds a
+    168-register cap (3 CTAs per SM instead of 2): 1.93 ms against 2.15 at 27B-TP1 T=32768 (H200 sweep,
+    tuning/results/gdn_sweep_r2_nvidia_h200.json).
+
+    Not the product series in plain tf32 dots (``DIAG_BY_PRODUCT`` with ``EXACT_PREC="tf32"``), although
+    it measured 1.45 ms: ``(I - N)(I + N^2)(I + N^4)(I + N^8)`` builds large intermediate products that
+    cancel, and tf32 operands do not survive the cancellation when keys are strongly correlated and
+    beta is near 1 (as after the conv's SiLU): an emulation of tf32 rounding on such 16-row blocks
+    (keys |z|+1, beta in [0.95, 1], no decay) gives inverse errors of 0.1-0.28, far past the bf16
+    budget. With fp32-accurate dots (tf32x3) the series is accurate but no faster than substitution.
     """
     tf32 = device_facts(device)[2] >= (8, 0)
     flags = {"DIAG_BY_PRODUCT": False, "LOWP_MERGE": False, "EXACT_PREC": "tf32x3" if tf32 else "ieee"}
     options = {"num_warps": 4, "num_stages": 1}
     if dtype == torch.bfloat16 and tf32:
-        flags.update(DIAG_BY_PRODUCT=True, EXACT_PREC="tf32")
         options["maxnreg"] = 168
     return flags, options
 
@@ -481,9 +503,9 @@ class _Plan(NamedTuple):
     scan_consts: tuple  # K, V, BK, BV, C
     scan_options: dict
 
-    def scan_grid(self, N: int, HV: int) -> tuple[int, int]:
+    def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
-        return -(-V // BV), N * HV
+        return (-(-V // BV), *grid_rows(N * HV))
 
     def _replace_configs(self, device: torch.device, dtype: torch.dtype, prepare_config: dict | None,
                          scan_config: dict | None) -> _Plan:
@@ -571,7 +593,10 @@ def gdn_chunk_prefill(
             if mcu is not cu_seqlens and (mcu.data_ptr() != cu_seqlens.data_ptr() or mcu.shape[0] != N + 1):
                 raise ValueError("metadata was prepared for another cu_seqlens tensor; call prepare_gdn_metadata "
                                  "on this batch's cu_seqlens")
-            bounds, num_chunks = metadata.chunk_bounds, metadata.num_chunks
+            if metadata.version == cu_seqlens._version:
+                bounds, num_chunks = metadata.chunk_bounds, metadata.num_chunks
+            else:  # written in place since: the table may be stale
+                bounds, num_chunks = _chunk_bounds_on_device(cu_seqlens, T) if N > 0 else (None, 0)
         elif metadata is None:
             bounds, num_chunks = (_chunk_bounds_on_device(cu_seqlens, T) if N > 0 else (None, 0))
         else:
@@ -605,7 +630,7 @@ def gdn_chunk_prefill(
     if N > 0:
         _launch_scan(plan.scan_grid(N, HV),
                      (q, k, ws, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
-                      state_pool.stride(0) if pool else HV * K * V, H, HV, *plan.scan_consts, varlen, h0 is not None,
-                      ht is not None, pool, has_initial_state is not None, plan.dot_prec),
+                      state_pool.stride(0) if pool else HV * K * V, H, HV, N * HV, *plan.scan_consts, varlen,
+                      h0 is not None, ht is not None, pool, has_initial_state is not None, plan.dot_prec),
                      plan.scan_options)
     return o, final

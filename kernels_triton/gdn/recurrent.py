@@ -21,18 +21,20 @@ import triton.language as tl
 
 from kernels_triton import _config
 from kernels_triton._launch import DirectLauncher
-from kernels_triton.gdn.chunk import _cdiv, _gating, _pow2, check_head_dims, device_facts
+from kernels_triton.gdn.chunk import _cdiv, _gating, _pow2, check_head_dims, device_facts, grid_rows
 
 
-@triton.jit(do_not_specialize=["H", "HV"])
+@triton.jit(do_not_specialize=["H", "HV", "NH"])
 def _recurrent_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     pool_ptr, slots_ptr, o_ptr, scale, pool_slot_stride,
-    T: tl.constexpr, H, HV, K: tl.constexpr, V: tl.constexpr,
+    T: tl.constexpr, H, HV, NH, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
 ):
     vb = tl.program_id(0)
-    nh = tl.program_id(1)
+    nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (row, head) pairs: see chunk.grid_rows
+    if nh >= NH:
+        return
     n = nh // HV
     hv = nh % HV
     h = hv // (HV // H)
@@ -121,9 +123,9 @@ def gdn_recurrent_step(
     cfg = step_config or _step_config(q.device, B, HV, V)
     BV = cfg["BV"]
     _launch_step(
-        (_cdiv(V, BV), B * HV),
+        (_cdiv(V, BV), *grid_rows(B * HV)),
         (q, k, v, g, beta, a, b, A_log, dt_bias, state_pool, state_slots, o,
-         K**-0.5 if scale is None else float(scale), state_pool.stride(0), T, H, HV, K, V, _pow2(K), BV,
+         K**-0.5 if scale is None else float(scale), state_pool.stride(0), T, H, HV, B * HV, K, V, _pow2(K), BV,
          a is not None, use_qk_l2norm),
         {key: val for key, val in cfg.items() if key != "BV"})
     return o
