@@ -158,9 +158,10 @@ def attention_decode(
     o = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return o
-    part = torch.empty(B * KV * n_splits * G * (D + 2), dtype=torch.float32, device=q.device)
-    ml = part[B * KV * n_splits * G * D:]
-    m_part, l_part = ml[: B * KV * n_splits * G], ml[B * KV * n_splits * G:]
+    rows = B * KV * n_splits * G  # partial results: [rows, D] outputs, then [rows] maxima and [rows] sums
+    span = [-(-n // 4) * 4 for n in (rows * D, rows)]  # each part 16-byte aligned (no new specialisations)
+    part = torch.empty(span[0] + 2 * span[1], dtype=torch.float32, device=q.device)
+    m_part, l_part = part[span[0]:span[0] + rows], part[span[0] + span[1]:span[0] + span[1] + rows]
     launch = {"num_warps": cfg.pop("num_warps", 4), "num_stages": cfg.pop("num_stages", 2)}
     if cfg:
         raise ValueError(f"unknown attention_decode config keys {sorted(cfg)}; accepted: BN, n_splits, num_warps, "

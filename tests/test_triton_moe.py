@@ -402,3 +402,13 @@ def test_configs_fit_shared_memory_for_fp32():
     assert cfg_mod.fit_shared_memory("gate_up", cfg, 2, 232448) == cfg  # bf16 fits as tuned
     tiny = cfg_mod.fit_shared_memory("down", cfg, 4, 20000)
     assert cfg_mod.shared_bytes("down", tiny, 4) <= 20000 and tiny.BLOCK_M == 64
+
+
+def test_alignment_buffers_are_16_byte_aligned_at_every_token_count():
+    """Every part of the alignment outputs starts 16-byte aligned whatever the token count, so serving never
+    meets a pointer-alignment specialisation that warm-up did not compile."""
+    for n in (1, 2, 3, 7, 9, 18, 33, 1000):
+        for G in (8, 257, 513):
+            al = talign._outputs(n, G, 16, "cpu")
+            parts = (al.sorted_slots, al.block_group, al.group_start, al.group_count, al.total_blocks, al.slot_group)
+            assert all(t.data_ptr() % 16 == 0 for t in parts), (n, G)
