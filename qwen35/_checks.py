@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -73,13 +75,32 @@ def divisible(name_num: str, num: int, name_den: str, den: int) -> None:
         raise ValueError(f"{name_num}={num} must be a positive multiple of {name_den}={den}")
 
 
+_HOST_BUILT = contextvars.ContextVar("qwen35_host_built_inputs", default=False)
+
+
+@contextlib.contextmanager
+def host_built_inputs() -> Iterator[None]:
+    """Within this context the ops' inputs come from a model host that builds the slots and offsets itself:
+    checks that read accelerator-resident values (each one a device synchronisation, every layer) are
+    skipped; on the CPU, where reading values costs no synchronisation, they still run."""
+    token = _HOST_BUILT.set(True)
+    try:
+        yield
+    finally:
+        _HOST_BUILT.reset(token)
+
+
 def value_checks_enabled(t: torch.Tensor) -> bool:
     """Whether to read tensor *values* (which synchronises an accelerator).
 
-    Off while a CUDA graph is being captured (a sync would break the capture) and when
-    ``QWEN35_CHECK_VALUES=0``; on otherwise.
+    Off when ``QWEN35_CHECK_VALUES=0``; for tensors on an accelerator also while a CUDA graph is being
+    captured (a sync would break the capture) and inside :func:`host_built_inputs`; on otherwise.
     """
     if os.environ.get("QWEN35_CHECK_VALUES", "1") == "0":
+        return False
+    if t.device.type == "cpu":
+        return True
+    if _HOST_BUILT.get():
         return False
     if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return False

@@ -44,7 +44,8 @@ accumulation is fp32 or better in every backend.
 
 Every op raises ``ValueError`` before touching any buffer when an input is off, naming the
 value and what is accepted. Checks that read tensor values (cu_seqlens, slots) synchronise the
-device; they are skipped while a CUDA graph is captured and when ``QWEN35_CHECK_VALUES=0``.
+device; they are skipped while a CUDA graph is captured, when ``QWEN35_CHECK_VALUES=0``, and for
+accelerator tensors inside :func:`host_built_inputs` (the model hosts run their forward in it).
 """
 
 from __future__ import annotations
@@ -67,9 +68,11 @@ __all__ = [
     "moe_block",
     "attention_decode",
     "prepare_gdn_metadata",
+    "host_built_inputs",
     "MAX_SPEC_TOKENS",
 ]
 
+host_built_inputs = chk.host_built_inputs
 MAX_SPEC_TOKENS = 8  # tokens per sequence the decode step accepts (1 + speculative)
 ACTIVATIONS = (None, "silu")
 

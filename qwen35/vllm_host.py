@@ -192,7 +192,8 @@ class Qwen35ForVllm(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
                 inputs_embeds: torch.Tensor | None = None, **kwargs: object) -> torch.Tensor:
         if intermediate_tensors is not None:
             raise NotImplementedError("qwen35: pipeline parallelism is not supported")
-        return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
+        with ops.host_built_inputs():  # vLLM built the slots and offsets: no per-layer value checks on a GPU
+            return self.model(input_ids, positions, inputs_embeds=inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.logits(hidden_states)

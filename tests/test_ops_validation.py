@@ -202,3 +202,20 @@ def test_value_checks_can_be_disabled(monkeypatch):
         _call_prefill(_gdn(q=torch.randn(T, H * K)))
     o, _ = _call_prefill(_gdn())  # valid input still runs
     assert o.shape == (T, HV, V)
+
+
+def test_host_built_inputs_keeps_cpu_value_checks(monkeypatch):
+    """Inside ``host_built_inputs`` value checks are skipped only for accelerator tensors (there they cost a
+    device synchronisation per layer); CPU tensors are still checked."""
+    from qwen35 import _checks
+
+    monkeypatch.delenv("QWEN35_CHECK_VALUES", raising=False)
+    cpu = torch.zeros(3)
+    with ops.host_built_inputs():
+        assert _checks.value_checks_enabled(cpu)
+        with pytest.raises(ValueError, match="slot 9"):
+            ops.causal_conv1d_update(torch.randn(2, 8), torch.randn(8, 4), conv_pool=torch.zeros(4, 8, 3),
+                                     conv_slots=torch.tensor([9, 0], dtype=torch.int32))
+        meta = torch.zeros(3, device="meta")
+        assert not _checks.value_checks_enabled(meta)
+    assert _checks.value_checks_enabled(torch.zeros(3, device="meta"))
