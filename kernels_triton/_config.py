@@ -50,8 +50,19 @@ def _load(slug: str, op: str) -> dict | None:
 _WARNED: set[tuple[str, str, str]] = set()
 
 
-def lookup(op: str, device_name: str, shape_key: str, tokens: int | None = None) -> dict | None:
-    """The tuned config for (op, device, shape) at ``tokens``, or None (and one INFO line) if absent."""
+def lookup(op: str, device_name: str, shape_key: str, tokens: int | None = None,
+           fields: tuple[str, ...] | None = None) -> dict | None:
+    """The tuned config for (op, device, shape) at ``tokens``, or None (and one INFO line) if absent.
+
+    ``fields``: keep only these keys (a tuned entry may also record what was measured, e.g. its time).
+    """
+    found = _lookup(op, device_name, shape_key, tokens)
+    if found is None or fields is None:
+        return found
+    return {k: v for k, v in found.items() if k in fields}
+
+
+def _lookup(op: str, device_name: str, shape_key: str, tokens: int | None) -> dict | None:
     data = _load(device_slug(device_name), op)
     entry = (data or {}).get("entries", {}).get(shape_key)
     if not entry:
@@ -67,6 +78,18 @@ def lookup(op: str, device_name: str, shape_key: str, tokens: int | None = None)
     return entry[best]
 
 
+_DERIVED: list = []  # caches of launch choices made from the tuned files
+
+
+def derived(fn):  # noqa: ANN001, ANN201 - a functools cache
+    """Register a cached function whose results come from tuned files: :func:`clear_cache` clears it too."""
+    _DERIVED.append(fn)
+    return fn
+
+
 def clear_cache() -> None:
+    """Forget the loaded files (e.g. after ``QWEN35_CONFIG_DIR`` changed) and every choice made from them."""
     _load.cache_clear()
     _WARNED.clear()
+    for fn in _DERIVED:
+        fn.cache_clear()

@@ -451,3 +451,25 @@ def test_default_diagonal_inverse_is_fp32_exact(monkeypatch):
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         flags, _ = chunk._prepare_config(torch.device("cuda"), dtype)
         assert not (flags["DIAG_BY_PRODUCT"] and flags["EXACT_PREC"] == "tf32"), dtype
+
+
+def test_tuned_entries_give_only_launch_fields(tmp_path, monkeypatch):
+    """A tuned file's entry may record what was measured next to its config; only the config reaches the launch."""
+    import json
+
+    from kernels_triton import _config
+    from kernels_triton.gdn import chunk
+
+    slug = _config.device_slug("NVIDIA H200")
+    (tmp_path / slug).mkdir()
+    entry = {"BV": 32, "num_warps": 4, "num_stages": 2, "kernel_ms": 1.23}
+    (tmp_path / slug / "gdn_chunk_scan.json").write_text(json.dumps(
+        {"entries": {"HV=48,V=128,dtype=bfloat16": {"8192": entry}}}))
+    monkeypatch.setenv("QWEN35_CONFIG_DIR", str(tmp_path))
+    monkeypatch.setattr(chunk, "device_facts", lambda device: ("NVIDIA H200", 132, (9, 0)))
+    _config.clear_cache()  # also forgets the choices made from the files (chunk._scan_config's cache)
+    try:
+        got = chunk._scan_config(torch.device("cuda"), 1, 48, 128, 128, 8192, torch.bfloat16)
+    finally:
+        _config.clear_cache()
+    assert got == {"BV": 32, "num_warps": 4, "num_stages": 2}

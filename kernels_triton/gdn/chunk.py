@@ -419,6 +419,7 @@ def workspace_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dty
     raise ValueError(f"triton GDN kernels take fp16, bf16 or fp32 activations, got {dtype}")
 
 
+@_config.derived
 @functools.lru_cache(maxsize=1024)
 def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq: int, dtype: torch.dtype) -> dict:
     """Phase-2 launch config: a tuned file entry if present, else the heuristic below. Cached: the
@@ -435,9 +436,10 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
         return {"BV": _pow2(V), "num_warps": 4, "num_stages": 1}
     tuned = _config.lookup("gdn_chunk_scan", device_facts(device)[0],
-                           f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}", tokens=per_seq)
+                           f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}", tokens=per_seq,
+                           fields=("BV", "num_warps", "num_stages"))
     if tuned:
-        return dict(tuned)
+        return tuned
     pairs = N * HV
     BV = min(_pow2(V), 64 if pairs >= 32 else 32 if pairs >= 16 else 16)
     # Shared memory of the pipelined loads (sm_90 builds, K = 128): bf16 at BV 64 takes 74 / 140 / 206 KB
@@ -522,6 +524,7 @@ class _Plan(NamedTuple):
         return plan
 
 
+@_config.derived
 @functools.lru_cache(maxsize=1024)
 def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: int, per_seq: int) -> _Plan:
     ws_dtype, dot_prec = workspace_dtype(dtype, device)

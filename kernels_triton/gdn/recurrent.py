@@ -74,6 +74,7 @@ def _recurrent_step_kernel(
 _launch_step = DirectLauncher(_recurrent_step_kernel)
 
 
+@_config.derived
 @functools.lru_cache(maxsize=1024)
 def _step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
     """V block and warps: a tuned file entry if present, else the heuristic below (cached per batch size).
@@ -84,9 +85,10 @@ def _step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
     """
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
         return {"BV": _pow2(V, 8), "num_warps": 4}
-    tuned = _config.lookup("gdn_recurrent_step", device_facts(device)[0], f"HV={HV},V={V}", tokens=B)
+    tuned = _config.lookup("gdn_recurrent_step", device_facts(device)[0], f"HV={HV},V={V}", tokens=B,
+                           fields=("BV", "num_warps", "num_stages"))
     if tuned:
-        return dict(tuned)
+        return tuned
     pairs = B * HV
     BV, warps = (64, 4) if pairs >= 1024 else (32, 1) if pairs > 64 else (16, 1)
     return {"BV": min(BV, _pow2(V, 8)), "num_warps": warps}

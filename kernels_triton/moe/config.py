@@ -132,6 +132,7 @@ def _shared_limit(device: torch.device) -> int | None:
     return getattr(props, "shared_memory_per_block_optin", None) or getattr(props, "shared_memory_per_block", None)
 
 
+@_config.derived
 @functools.lru_cache(maxsize=4096)
 def configs(M: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype,
             device: torch.device) -> tuple[GemmConfig, GemmConfig]:
