@@ -44,11 +44,12 @@ class _Batch:
     gdn: dict  # batch fields of GDNStep
 
 
-# SDPA kernels for shapes that change from step to step. cuDNN's kernel is left out there: it
-# builds an execution plan per new shape (H200, torch 2.11: 70 ms, over 1 s for the first), which made
-# eager decode cost 60-80 ms a step. Where shapes come from a small fixed set (a captured decode graph,
-# prefills padded to PREFILL_BUCKET) torch's own choice stands, cuDNN first on Hopper: 0.85 ms against
-# flash's 1.9 ms for a 1x8192 causal prefill at 16 heads of 256.
+# SDPA kernels for prefill shapes that change from step to step (continued prefills). cuDNN's kernel is
+# left out there: it builds an execution plan per new shape (H200, torch 2.11: 70 ms, over 1 s for the
+# first), which made eager decode cost 60-80 ms a step when decode still went through SDPA. Where shapes
+# come from a small fixed set (fresh prompts padded to PREFILL_BUCKET) torch's own choice stands, cuDNN
+# first on Hopper: 0.85 ms against flash's 1.9 ms for a 1x8192 causal prefill at 16 heads of 256.
+# Decode rows use ops.attention_decode.
 VARYING_SHAPE_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 PREFILL_BUCKET = 256  # fresh prompts are padded to a multiple of this many tokens for attention
 
