@@ -87,14 +87,16 @@ def test_prefill_initial_state_tensor_and_final(decay):
     assert ht.dtype == torch.float32
 
 
-def test_prefill_diagonal_inverse_by_product_variant():
-    """The tuning variant that inverts the 16-row diagonal blocks by the finite series agrees with the reference,
-    also for strongly correlated keys (all-positive, as after the conv's SiLU) and weak decay."""
+@pytest.mark.parametrize("variant", [{"DIAG_BY_PRODUCT": True}, {"DIAG_ROWS": 8}, {"DIAG_ROWS": 4}])
+def test_prefill_diagonal_inverse_variants(variant):
+    """The tuning variants of the diagonal inverse (the finite series on 16-row blocks; substitution on 8- or
+    4-row blocks and more merges) agree with the reference, also for strongly correlated keys (all-positive,
+    as after the conv's SiLU) and weak decay."""
     lens, H, HV, K, V = [130, 7], 1, 2, 32, 32
     d = _inputs(lens, H, HV, K, V, torch.float32, raw=False, decay="weak")
     d["k"] = d["k"].abs() + 0.5
     cu = cu_from_lens(lens, DEV)
-    cfg = {"num_warps": 4, "num_stages": 1, "DIAG_BY_PRODUCT": True}
+    cfg = {"num_warps": 4, "num_stages": 1, **variant}
     o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True,
                                  prepare_config=cfg)
     ro, rht = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(),
@@ -401,10 +403,11 @@ act = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "o_ptr"
                             "z_ptr", "w_ptr", "bias_ptr", "res_ptr", "s_ptr", "pool_ptr")}
 act.update({n: "*fp32" for n in ("A_log_ptr", "dt_bias_ptr", "gcum_ptr", "h0_ptr", "ht_ptr")}, has_init_ptr="*i1")
 dims = dict(K=128, V=128, C=64)
-for by_product in (False, True):
+for by_product, diag_rows in ((False, 16), (True, 16), (False, 4)):
     sm90(chunk._chunk_prepare_kernel, dict(dims, BKC=64, BVC=64, VARLEN=True, RAW_GATING=True, USE_L2=True,
                                            DOT_PREC="tf32", EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=by_product,
-                                           LOWP_MERGE=False, g_ptr=None, beta_ptr=None), act, stages=1)
+                                           LOWP_MERGE=False, DIAG_ROWS=diag_rows, g_ptr=None, beta_ptr=None),
+         act, stages=1)
 for bv, stages in ((64, 3), (16, 3)):
     sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
                                         HAS_INIT_FLAGS=True, DOT_PREC="tf32"), act, stages=stages)
@@ -440,6 +443,13 @@ def test_kernels_build_for_hopper():
     proc = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], capture_output=True, text=True, env=env, cwd=root,
                           timeout=600)
     assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_diagonal_rows_outside_the_accepted_set_are_refused():
+    d = _inputs([20], 1, 1, 16, 16, torch.float32)
+    for bad in ({"DIAG_ROWS": 2}, {"DIAG_ROWS": 8, "DIAG_BY_PRODUCT": True}):
+        with pytest.raises(ValueError, match="DIAG_ROWS"):
+            kt.gdn_chunk_prefill(**d, prepare_config={"num_warps": 4, "num_stages": 1, **bad})
 
 
 def test_default_diagonal_inverse_is_fp32_exact(monkeypatch):

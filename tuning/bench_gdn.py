@@ -273,6 +273,13 @@ PREPARE_VARIANTS_B = [
                   {"LOWP_MERGE": True, "maxnreg": 152}, {"LOWP_MERGE": True, "maxnreg": 168},
                   {"LOWP_MERGE": True, "maxnreg": 184})
 ] + [{"num_warps": 4, "num_stages": 1}]
+# Third round: fp32-exact diagonal inverses only (the tf32 product series is inaccurate on correlated keys
+# with beta near 1): substitution on 16-, 8- or 4-row blocks (15, 7 or 3 dependent steps, then merges).
+PREPARE_VARIANTS_C = [
+    {"num_warps": 4, "num_stages": 1, **extra}
+    for extra in ({}, {"maxnreg": 168}, {"DIAG_ROWS": 8}, {"DIAG_ROWS": 8, "maxnreg": 168}, {"DIAG_ROWS": 4},
+                  {"DIAG_ROWS": 4, "maxnreg": 168}, {"DIAG_ROWS": 4, "maxnreg": 152})
+]
 SCAN_VARIANTS = [{"BV": bv, "num_warps": 4, "num_stages": st} for bv in (16, 32, 64) for st in (2, 3)]
 DECODE_VARIANTS = [{"BV": bv, "num_warps": w} for bv, w in ((8, 1), (16, 1), (16, 2), (32, 1), (32, 2), (32, 4),
                                                              (64, 2), (64, 4), (128, 4), (128, 8))]
@@ -280,6 +287,8 @@ DECODE_SWEEP = (("27B-TP1", 1), ("35B-A3B-TP1", 1), ("27B-TP4", 1), ("397B-TP8",
 
 
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
+    if sweep_set == "c":
+        return [("prepare", c) for c in PREPARE_VARIANTS_C]
     if sweep_set == "b":
         return ([("prepare", c) for c in PREPARE_VARIANTS_B] + [("scan", c) for c in SCAN_VARIANTS]
                 + [("decode", {"BV": 16, "num_warps": 1}), ("decode", {"BV": 64, "num_warps": 4})])
@@ -309,33 +318,42 @@ def warm(index: int, sweep_set: str = "a") -> None:
     torch.cuda.synchronize()
 
 
-def prepare_variant_errors(rows: list[dict], save=lambda: None) -> None:
-    """Relative error of the output for every second-round prepare variant against the fp64 reference, on
-    all-positive (strongly correlated) keys with weak decay: the hard case for the inverse."""
+def prepare_variant_errors(rows: list[dict], save=lambda: None, variants: list[dict] | None = None,
+                           hard: bool = False) -> None:
+    """Relative error of the output for every prepare variant (default: the second round's) against the fp64
+    reference, on all-positive (strongly correlated) keys with weak decay: the hard case for the inverse;
+    ``hard``: keys |z| + 1, beta near 1 and almost no decay, where a cancelling inverse fails."""
     import kernels_triton as kt
     from qwen35 import reference as ref
 
-    lens, (H, HV) = [8192, 777], HEADS["27B-TP4"]
+    lens, (H, HV) = ([1024, 77] if hard else [8192, 777]), HEADS["27B-TP4"]
     d = _prefill_inputs(lens, H, HV, seed=3)
-    d["k"] = d["k"].abs() + 0.5
-    d["a"] = d["a"] - 4.0  # weak decay
+    d["k"] = d["k"].abs() + (1.0 if hard else 0.5)
+    d["a"] = d["a"] - (20.0 if hard else 4.0)  # decay: none to speak of / weak
+    if hard:
+        d["b"] = d["b"].abs() + 3.0  # beta = sigmoid(b) in [0.95, 1)
     f64 = {n: d[n].double() for n in ("q", "k", "v", "a", "b", "A_log", "dt_bias", "h0")}
     want, _ = ref.gdn_chunk_prefill(f64["q"], f64["k"], f64["v"], a=f64["a"], b=f64["b"], A_log=f64["A_log"],
                                     dt_bias=f64["dt_bias"], cu_seqlens=d["cu"], initial_state=f64["h0"],
                                     use_qk_l2norm=True)
     meta = kt.prepare_gdn_metadata(d["cu"])
-    for cfg in PREPARE_VARIANTS_B:
+    label = ("27B-TP4 1024+77 keys |z|+1, beta near 1, no decay" if hard
+             else "27B-TP4 8192+777 correlated keys, weak decay")
+    for cfg in variants or PREPARE_VARIANTS_B:
         got, _ = _ours_prefill(d, meta, prepare_config=cfg)()
         err = float((got.double() - want).norm() / want.norm())
-        rows.append({"sweep": "prepare accuracy", "shape": "27B-TP4 8192+777 correlated keys, weak decay",
-                     "config": cfg, "rel_err": err, "finite": bool(torch.isfinite(got).all())})
+        rows.append({"sweep": "prepare accuracy", "shape": label, "config": cfg, "rel_err": err,
+                     "finite": bool(torch.isfinite(got).all())})
         print(rows[-1], flush=True)
         save()
 
 
 def sweep_b(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     """Second round: prepare variants around the first winner (time and accuracy) and scan stages at
-    4096-token sequences."""
+    4096-token sequences. Third round (``--sweep-set c``): the exact-inverse prepare variants only, their
+    accuracy also on the hard keys."""
+    third = args.sweep_set == "c"
+    prepare_variants = PREPARE_VARIANTS_C if third else PREPARE_VARIANTS_B
     import kernels_triton as kt
 
     shapes = {"27B-TP1 1x32768": ("27B-TP1", [32768]), "27B-TP4 8x4096": ("27B-TP4", [4096] * 8),
@@ -344,8 +362,8 @@ def sweep_b(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
         H, HV = HEADS[hname]
         d = _prefill_inputs(lens, H, HV)
         meta = kt.prepare_gdn_metadata(d["cu"])
-        variants = [("prepare", c) for c in PREPARE_VARIANTS_B] if label != "27B-TP1 8x4096" else []
-        if label != "27B-TP1 1x32768":
+        variants = [("prepare", c) for c in prepare_variants] if label != "27B-TP1 8x4096" else []
+        if label != "27B-TP1 1x32768" and not third:
             variants += [("scan", c) for c in SCAN_VARIANTS if c["BV"] >= 32]
         for phase, cfg in variants:
             if time.time() > deadline:
@@ -359,7 +377,9 @@ def sweep_b(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
             print(rows[-1], flush=True)
             save()
         del d
-    prepare_variant_errors(rows, save)
+    prepare_variant_errors(rows, save, prepare_variants)
+    if third:
+        prepare_variant_errors(rows, save, prepare_variants, hard=True)
 
 
 def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
@@ -367,7 +387,7 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     variants through CUDA graphs."""
     import kernels_triton as kt
 
-    if args.sweep_set == "b":
+    if args.sweep_set in ("b", "c"):
         sweep_b(args, rows, deadline, save)
         return
 
@@ -452,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
-    parser.add_argument("--sweep-set", default="a", choices=("a", "b"), help="a: first round; b: around its winner")
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c"),
+                        help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks)")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")
     args = parser.parse_args(argv)

@@ -139,48 +139,58 @@ def _workspace(ws_ptr, T, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr)
 
 
 @triton.jit
+def _merge_blocks(A, X, i, j, B: tl.constexpr, DOT_PREC: tl.constexpr, MERGE_DTYPE: tl.constexpr):
+    """Inverse on ``2B``-row diagonal blocks from the inverse ``X`` on ``B``-row ones:
+    ``T_21 = -T_22 A_21 T_11`` for every pair of neighbouring blocks at once, in two dots."""
+    off = ((i // (2 * B)) == (j // (2 * B))) & ((i // B) != (j // B))
+    P = tl.dot(tl.where(off, A, 0.0).to(MERGE_DTYPE), X.to(MERGE_DTYPE), input_precision=DOT_PREC)
+    return X - tl.dot(X.to(MERGE_DTYPE), P.to(MERGE_DTYPE), input_precision=DOT_PREC)
+
+
+@triton.jit
 def _unit_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr,
-                        EXACT_PREC: tl.constexpr, MERGE_DTYPE: tl.constexpr):
+                        EXACT_PREC: tl.constexpr, MERGE_DTYPE: tl.constexpr, DIAG_ROWS: tl.constexpr = 16):
     """``(I + A)^-1`` for a strictly lower-triangular fp32 ``[C, C]`` tile (C in 16, 32, 64).
 
-    Diagonal 16x16 blocks first, all four at once: by column-oriented forward substitution (15
-    dependent steps, each a cross-warp reduction), or with ``DIAG_BY_PRODUCT`` by the exact finite
-    series ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)(I + N^8)`` (N^16 = 0 for 16-row blocks: six
-    dependent dots, run at fp32 accuracy with ``EXACT_PREC``). Then block merges
-    ``T_21 = -T_22 A_21 T_11`` at 16 -> 32 and 32 -> 64 with two dots each, their operands in
-    ``MERGE_DTYPE`` (fp32 at ``DOT_PREC``, or the bf16 workspace dtype: half the registers).
+    Diagonal blocks first, all at once: ``DIAG_ROWS``-row blocks (16, 8 or 4) by column-oriented
+    forward substitution (``DIAG_ROWS - 1`` dependent steps, each a cross-warp reduction), or with
+    ``DIAG_BY_PRODUCT`` 16-row blocks by the exact finite series ``(I + N)^-1 = (I - N)(I + N^2)(I + N^4)
+    (I + N^8)`` (six dependent dots at ``EXACT_PREC``; its intermediates cancel, so it needs fp32-accurate
+    dots: see ``_prepare_config``). Then block merges ``T_21 = -T_22 A_21 T_11`` up to ``C`` rows with two
+    dots each, their operands in ``MERGE_DTYPE`` (fp32 at ``DOT_PREC``, or the bf16 workspace dtype).
     """
     rows = tl.arange(0, C)
     i = rows[:, None]
     j = rows[None, :]
     same16 = (i // 16) == (j // 16)
     eye = tl.where(i == j, 1.0, 0.0)
-    Ad = tl.where(same16, A, 0.0)
     if DIAG_BY_PRODUCT:
+        Ad = tl.where(same16, A, 0.0)
         N2 = tl.dot(Ad, Ad, input_precision=EXACT_PREC)
         N4 = tl.dot(N2, N2, input_precision=EXACT_PREC)
         X = tl.dot(eye - Ad, eye + N2, input_precision=EXACT_PREC)
         X = tl.dot(X, eye + N4, input_precision=EXACT_PREC)
         X = tl.dot(X, eye + tl.dot(N4, N4, input_precision=EXACT_PREC), input_precision=EXACT_PREC)
     else:
+        same_block = (i // DIAG_ROWS) == (j // DIAG_ROWS)
+        Ad = tl.where(same_block, A, 0.0)
         X = eye
-        sub = rows % 16
-        for p in tl.static_range(15):
+        sub = rows % DIAG_ROWS
+        for p in tl.static_range(DIAG_ROWS - 1):
             # Ad and X are block-diagonal, so "column / row p of my own block" needs no block test; the
             # outer product is cut back to the diagonal blocks. Column p of each block is final in X's row
             # (block start + p) and is subtracted from the later rows (Ad[i, block + p] is 0 for i <= p).
             a_col = tl.sum(tl.where((sub == p)[None, :], Ad, 0.0), axis=1)  # Ad[i, block(i) + p]
             x_row = tl.sum(tl.where((sub == p)[:, None], X, 0.0), axis=0)  # X[block(c) + p, c]
-            X = X - tl.where(same16, a_col[:, None] * x_row[None, :], 0.0)
+            X = X - tl.where(same_block, a_col[:, None] * x_row[None, :], 0.0)
+        if DIAG_ROWS <= 4:
+            X = _merge_blocks(A, X, i, j, 4, DOT_PREC, MERGE_DTYPE)
+        if DIAG_ROWS <= 8:
+            X = _merge_blocks(A, X, i, j, 8, DOT_PREC, MERGE_DTYPE)
     if C > 16:
-        same32 = (i // 32) == (j // 32)
-        P = tl.dot(tl.where(same32 & (i // 16 != j // 16), A, 0.0).to(MERGE_DTYPE), X.to(MERGE_DTYPE),
-                   input_precision=DOT_PREC)
-        X = X - tl.dot(X.to(MERGE_DTYPE), P.to(MERGE_DTYPE), input_precision=DOT_PREC)
+        X = _merge_blocks(A, X, i, j, 16, DOT_PREC, MERGE_DTYPE)
         if C > 32:
-            P = tl.dot(tl.where(i // 32 != j // 32, A, 0.0).to(MERGE_DTYPE), X.to(MERGE_DTYPE),
-                       input_precision=DOT_PREC)
-            X = X - tl.dot(X.to(MERGE_DTYPE), P.to(MERGE_DTYPE), input_precision=DOT_PREC)
+            X = _merge_blocks(A, X, i, j, 32, DOT_PREC, MERGE_DTYPE)
     return X
 
 
@@ -216,6 +226,7 @@ def _chunk_prepare_kernel(
     BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
     EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
+    DIAG_ROWS: tl.constexpr = 16,
 ):
     # Value heads vary fastest: the HV / H programs of one key head and chunk run side by side and
     # share their q / k rows through L2.
@@ -275,7 +286,7 @@ def _chunk_prepare_kernel(
         _store_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C, qk * (rq[:, None] * rk[None, :]) * gamma)
         A = tl.where(i > j, kk * ((beta * rk)[:, None] * rk[None, :]) * gamma, 0.0)
         Tinv = _unit_lower_inverse(A, C, DOT_PREC, DIAG_BY_PRODUCT, EXACT_PREC,
-                                   ws_dtype if LOWP_MERGE else tl.float32)
+                                   ws_dtype if LOWP_MERGE else tl.float32, DIAG_ROWS)
 
         # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V, in column blocks (k, v re-read from L1/L2).
         tw = (Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype)
@@ -458,7 +469,8 @@ def _shared_memory_per_block(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
-PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC")  # prepare_config keys that are kernel flags
+# prepare_config keys that are kernel flags (the rest are launch options)
+PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS")
 
 
 @functools.lru_cache(maxsize=64)
@@ -477,7 +489,8 @@ def _prepare_config(device: torch.device, dtype: torch.dtype) -> tuple[dict, dic
     budget. With fp32-accurate dots (tf32x3) the series is accurate but no faster than substitution.
     """
     tf32 = device_facts(device)[2] >= (8, 0)
-    flags = {"DIAG_BY_PRODUCT": False, "LOWP_MERGE": False, "EXACT_PREC": "tf32x3" if tf32 else "ieee"}
+    flags = {"DIAG_BY_PRODUCT": False, "LOWP_MERGE": False, "EXACT_PREC": "tf32x3" if tf32 else "ieee",
+             "DIAG_ROWS": 16}
     options = {"num_warps": 4, "num_stages": 1}
     if dtype == torch.bfloat16 and tf32:
         options["maxnreg"] = 168
@@ -492,6 +505,14 @@ def _split_prepare_config(device: torch.device, dtype: torch.dtype, override: di
     return flags, options
 
 
+def _prepare_flags(dot_prec: str, flags: dict) -> tuple:
+    """The prepare kernel's trailing constexprs, in its signature's order."""
+    if flags["DIAG_ROWS"] not in (4, 8, 16) or (flags["DIAG_BY_PRODUCT"] and flags["DIAG_ROWS"] != 16):
+        raise ValueError(f"prepare_config DIAG_ROWS={flags['DIAG_ROWS']}: accepted 4, 8 or 16 (16 with "
+                         "DIAG_BY_PRODUCT)")
+    return dot_prec, flags["EXACT_PREC"], flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"], flags["DIAG_ROWS"]
+
+
 class _Plan(NamedTuple):
     """Everything about a call that depends only on (device, dtype, sequences, heads, head dims, tokens per
     sequence rounded to a power of two): computed once, so the per-call host work is allocations and launches."""
@@ -500,7 +521,7 @@ class _Plan(NamedTuple):
     ws_row: int  # workspace elements per (value head, token), see _workspace
     dot_prec: str
     prepare_consts: tuple  # K, V, BKC, BVC, C
-    prepare_flags: tuple  # DOT_PREC, EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE
+    prepare_flags: tuple  # DOT_PREC, EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS (see _prepare_flags)
     prepare_options: dict
     scan_consts: tuple  # K, V, BK, BV, C
     scan_options: dict
@@ -515,8 +536,7 @@ class _Plan(NamedTuple):
         plan = self
         if prepare_config is not None:
             flags, options = _split_prepare_config(device, dtype, prepare_config)
-            plan = plan._replace(prepare_options=options, prepare_flags=(
-                plan.dot_prec, flags["EXACT_PREC"], flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"]))
+            plan = plan._replace(prepare_options=options, prepare_flags=_prepare_flags(plan.dot_prec, flags))
         if scan_config is not None:
             K, V, BK, _, C = plan.scan_consts
             plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C),
@@ -534,7 +554,7 @@ def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: 
     return _Plan(
         ws_dtype=ws_dtype, ws_row=(K + V + CHUNK + 7) // 8 * 8 + 3 * (4 // ws_dtype.itemsize), dot_prec=dot_prec,
         prepare_consts=(K, V, min(BK, 64), min(BV_full, 64), CHUNK),
-        prepare_flags=(dot_prec, flags["EXACT_PREC"], flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"]),
+        prepare_flags=_prepare_flags(dot_prec, flags),
         prepare_options=prepare_options, scan_consts=(K, V, BK, scan["BV"], CHUNK),
         scan_options={k: v for k, v in scan.items() if k != "BV"})
 
