@@ -16,7 +16,6 @@ if not __import__("torch").cuda.is_available():
 
 import pytest
 import torch
-import triton.language as tl
 from helpers import assert_close, cu_from_lens, gdn_inputs
 
 import kernels_triton as kt
@@ -285,99 +284,6 @@ def test_scan_stages_fit_shared_memory(monkeypatch, smem, dtype, K, stages):
     finally:
         chunk._scan_config.cache_clear()
     assert cfg == {"BV": 64, "num_warps": 4, "num_stages": stages}
-
-
-# ----------------------------------------------------------------------------- launching without the JIT binder
-
-
-def _toy_kernel(x_ptr, y_ptr, n, stride, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr):
-    pass  # never compiled: the launcher test below fakes the JIT and the compiled kernel
-
-
-def test_direct_launcher_keys_and_launches(monkeypatch):
-    """The first call of a specialisation goes through the JIT, later ones straight to the compiled kernel's
-    launcher with every argument in order; a new dtype, a None pointer, a specialised integer becoming 1 or
-    a multiple of 16, a pointer's 16-byte alignment or a constexpr change is a new specialisation; an
-    opted-out integer is not; tensors off the GPU and integers beyond 32 bits always take the JIT."""
-    from triton import knobs
-    from triton.runtime.jit import JITFunction
-
-    from kernels_triton._launch import DirectLauncher
-
-    monkeypatch.setattr(knobs.runtime, "interpret", False)
-    launcher = DirectLauncher(JITFunction(_toy_kernel, do_not_specialize=["n"]))
-    jit_calls, direct_calls = [], []
-
-    class Compiled:
-        function, packed_metadata = "fn", "meta"
-
-        def run(self, *a):
-            direct_calls.append(a)
-
-    class FakeJit:
-        def __getitem__(self, grid):
-            return lambda *args, **options: jit_calls.append((grid, args, options)) or Compiled()
-
-    launcher.kernel = FakeJit()
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    x = torch.zeros(64, dtype=torch.float32)
-    p = x.data_ptr()  # the direct path hands addresses to the launcher
-    opts = {"num_warps": 4}
-
-    def launch(*args, grid=(3,)):
-        launcher(grid, args, opts)
-        return len(jit_calls), len(direct_calls)
-
-    assert launch(x, x, 5, 7, 0.5, 32, True) == (1, 0)
-    assert launch(x, x, 9, 7, 0.25, 32, True) == (1, 1)  # n opts out, scale is a plain float
-    assert direct_calls[-1] == (3, 1, 1, 1234, "fn", "meta", None, None, None, p, p, 9, 7, 0.25, 32, True)
-    assert launch(x, x, 5, 7, 0.5, 32, True, grid=(2, 5)) == (1, 2) and direct_calls[-1][:3] == (2, 5, 1)
-    assert launch(x, x, 5, 16, 0.5, 32, True) == (2, 2)  # stride divisible by 16
-    assert launch(x, x, 5, 1, 0.5, 32, True) == (3, 2)  # stride == 1
-    assert launch(x, None, 5, 7, 0.5, 32, True) == (4, 2)
-    assert launch(x, x.half(), 5, 7, 0.5, 32, True) == (5, 2)
-    assert launch(x, x, 5, 7, 0.5, 64, True) == (6, 2)
-    assert launch(x, x, 5, 7, 0.5, 32, True) == (6, 3)
-    assert launch(x[1:], x, 5, 7, 0.5, 32, True) == (7, 3)  # 4-byte aligned view: its own specialisation
-    assert launch(x[1:], x, 5, 7, 0.5, 32, True) == (7, 4)
-    assert direct_calls[-1][9] == p + 4
-    assert launch(x, x, 2**33, 7, 0.5, 32, True) == (8, 4)
-    assert jit_calls[-1] == ((3,), (x, x, 2**33, 7, 0.5, 32, True), opts)
-
-    class Runner:  # Triton's CudaLauncher: without scratch memory its C launch function is called directly
-        global_scratch_size = profile_scratch_size = 0
-        launch_cooperative_grid, launch_pdl = False, True
-
-        def launch(self, *a):
-            direct_calls.append(("c", *a))
-
-    Compiled.run = Runner()
-    launcher.cache.clear()
-    assert launch(x, x, 5, 7, 0.5, 32, True) == (9, 4)
-    assert launch(x, x, 6, 7, 0.5, 32, True, grid=(4, 2, 2)) == (9, 5)
-    assert direct_calls[-1] == ("c", 4, 2, 2, 1234, "fn", False, True, None, None, "meta", None, None, None,
-                                p, p, 6, 7, 0.5, 32, True)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
-    assert launch(x, x, 6, 7, 0.5, 32, True) == (10, 5)  # a tensor off the GPU: the JIT rejects it
-
-
-def test_direct_launcher_keys_types_not_just_values(monkeypatch):
-    """Triton compiles ``FLAG=True`` and ``FLAG=1``, or an opted-out ``n`` of 5 and of 5.0, separately: so do we."""
-    from triton import knobs
-    from triton.runtime.jit import JITFunction
-
-    from kernels_triton._launch import DirectLauncher
-
-    monkeypatch.setattr(knobs.runtime, "interpret", False)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    launcher = DirectLauncher(JITFunction(_toy_kernel, do_not_specialize=["n"]))
-    x = torch.zeros(64)
-    base = launcher.key((x, x, 5, 7, 0.5, 32, True))[0]
-    assert launcher.key((x, x, 5, 7, 0.5, 32, 1))[0] != base
-    assert launcher.key((x, x, 5.0, 7, 0.5, 32, True))[0] != base
-    assert launcher.key((x, x, 6, 7, 0.5, 32, True))[0] == base  # n is not specialised on its value
 
 
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU

@@ -17,7 +17,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first triton import
 
 import pytest  # noqa: E402
-import triton.language as tl  # noqa: E402
 from helpers import assert_close, rel_err  # noqa: E402
 
 from kernels_triton import _config  # noqa: E402
@@ -271,52 +270,6 @@ def test_tuned_entry_reaches_only_nearby_token_counts(monkeypatch):
         assert tconfig.configs(16384, 8, 256, 2048, 512, torch.bfloat16, dev)[0] == tuned
     finally:
         tconfig.configs.cache_clear()
-
-
-def _toy_kernel(x_ptr, n, BLOCK: tl.constexpr, FLAG: tl.constexpr = True):
-    pass  # never compiled: the test below fakes the JIT and the compiled kernel
-
-
-def test_direct_launcher_by_name_call_form(monkeypatch):
-    """``launcher[grid](*args, **kw)`` (the MoE call sites' form) completes trailing parameters from keywords
-    and defaults, passes the rest as launch options, and switches off with ``ENABLED``. The keying itself is
-    tested in test_triton_gdn.py."""
-    from triton import knobs
-    from triton.runtime.jit import JITFunction
-
-    from kernels_triton import _launch
-
-    monkeypatch.setattr(knobs.runtime, "interpret", False)
-    launcher = _launch.DirectLauncher(JITFunction(_toy_kernel))
-    jit_calls, direct_calls = [], []
-
-    class Compiled:
-        function, packed_metadata = "fn", "meta"
-
-        def run(self, *a):
-            direct_calls.append(a)
-
-    class FakeJit:
-        def __getitem__(self, grid):
-            return lambda *args, **options: jit_calls.append((grid, args, options)) or Compiled()
-
-    launcher.kernel = FakeJit()
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 7, raising=False)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-    buf = torch.zeros(64)
-    launcher[(3,)](buf, 5, BLOCK=16, num_warps=4)  # first call: the JIT, with every parameter in order
-    assert jit_calls == [((3,), (buf, 5, 16, True), {"num_warps": 4})]
-    launcher[(4, 2)](buf, 5, BLOCK=16, num_warps=4)  # hit
-    assert launcher.hits == 1
-    assert direct_calls[-1] == (4, 2, 1, 7, "fn", "meta", None, None, None, buf.data_ptr(), 5, 16, True)
-    launcher[(1,)](buf, 5, BLOCK=16, FLAG=False, num_warps=4)  # another constexpr: compiled anew
-    assert len(jit_calls) == 2 and jit_calls[-1][1] == (buf, 5, 16, False)
-    with pytest.raises(TypeError, match="BLOCK"):
-        launcher[(1,)](buf, 5, num_warps=4)
-    monkeypatch.setattr(_launch, "ENABLED", False)
-    launcher[(4, 2)](buf, 5, BLOCK=16, num_warps=4)
-    assert len(jit_calls) == 3 and launcher.hits == 1
 
 
 def test_facade_selects_and_self_tests_triton(fresh_probe, monkeypatch):
