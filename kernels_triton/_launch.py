@@ -34,6 +34,13 @@ ENABLED = os.environ.get("QWEN35_DIRECT_LAUNCH", "1") != "0"  # set at import; t
 # at each launch, so tests and benchmarks can switch it
 
 
+def aligned16(n: int) -> int:
+    """``n`` 4-byte elements rounded up so that the next part of a shared buffer starts 16-byte aligned: Triton
+    specialises on pointer alignment, and parts whose alignment varied with a batch's size would compile new
+    kernel variants in the middle of serving."""
+    return -(-n // 4) * 4
+
+
 def _getter(idx: list[int]):
     """``args -> tuple(args[i] for i in idx)`` at C speed (itemgetter returns a bare item for one index)."""
     if len(idx) > 1:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._launch import DirectLauncher
+from kernels_triton._launch import DirectLauncher, aligned16
 
 
 @triton.jit(do_not_specialize=["L", "blocks_per_split", "n_splits"])
@@ -159,7 +159,7 @@ def attention_decode(
     if B == 0:
         return o
     rows = B * KV * n_splits * G  # partial results: [rows, D] outputs, then [rows] maxima and [rows] sums
-    span = [-(-n // 4) * 4 for n in (rows * D, rows)]  # each part 16-byte aligned (no new specialisations)
+    span = [aligned16(n) for n in (rows * D, rows)]
     part = torch.empty(span[0] + 2 * span[1], dtype=torch.float32, device=q.device)
     m_part, l_part = part[span[0]:span[0] + rows], part[span[0] + span[1]:span[0] + span[1] + rows]
     launch = {"num_warps": cfg.pop("num_warps", 4), "num_stages": cfg.pop("num_stages", 2)}

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._launch import DirectLauncher
+from kernels_triton._launch import DirectLauncher, aligned16
 from kernels_triton.moe.routing import _route_tile, cdiv, pow2, route_launch_params, route_warps
 
 SINGLE_CHUNK_MAX = 1024  # slots handled by one fused program
@@ -217,18 +217,11 @@ def max_blocks_for(n: int, n_groups: int, block_m: int) -> int:
     return max(1, min(n, cdiv(n, block_m) + n_groups))
 
 
-def _aligned16(n: int) -> int:
-    """``n`` int32 / fp32 elements rounded up so that the next part of a shared buffer starts 16-byte aligned:
-    Triton specialises kernels on pointer alignment, and parts whose alignment varied with the token count
-    would compile new kernel variants in the middle of serving."""
-    return -(-n // 4) * 4
-
-
 def _outputs(n: int, G: int, block_m: int, dev) -> Alignment:  # noqa: ANN001
     max_blocks = max_blocks_for(n, G, block_m)
     sizes = [max_blocks * block_m, max_blocks, G, G, 1, max(n, 1)]
-    ints = torch.empty(sum(_aligned16(k) for k in sizes), dtype=torch.int32, device=dev)
-    parts = [p[:k] for p, k in zip(torch.split(ints, [_aligned16(k) for k in sizes]), sizes, strict=True)]
+    ints = torch.empty(sum(aligned16(k) for k in sizes), dtype=torch.int32, device=dev)
+    parts = [p[:k] for p, k in zip(torch.split(ints, [aligned16(k) for k in sizes]), sizes, strict=True)]
     return Alignment(*parts, block_m=block_m, max_blocks=max_blocks, n_groups=G)
 
 
@@ -254,7 +247,7 @@ def _align_chunks(al: Alignment, M: int, slots: int, *, route: dict | None, logi
     tiles, n_chunks = chunking(M, slots, rows, MAX_CHUNKS, CHUNK_SLOTS_MAX)
     chunk_slots = rows * tiles * slots
     chunk_pad, g_pad = _pow2(chunk_slots), _pow2(G)
-    counts = torch.empty(2, _aligned16(n_chunks * G), dtype=torch.int32, device=dev)  # two [n_chunks, G] tables
+    counts = torch.empty(2, aligned16(n_chunks * G), dtype=torch.int32, device=dev)  # two [n_chunks, G] tables
     routed = route is not None
     if not routed:
         route = dict(N_SPLITS=1, TOP_K=slots - int(shared), K_PAD=_pow2(slots, 2), E_PAD=16, ROWS=rows,
