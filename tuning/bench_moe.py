@@ -45,7 +45,7 @@ SHAPES = {  # name: (E, k, H, I)
 MS = (1, 4, 16, 64, 256, 1024, 4096, 16384)
 QUICK_SHAPES, QUICK_MS = ("35B-A3B", "397B-A17B-TP8"), (1, 16, 1024, 16384)
 GRAPH_MAX_M = 256
-BREAKDOWN_MS = (1, 16, 1024, 4096, 16384)
+BREAKDOWN_MS = (1, 16, 1024, 4096, 8192, 16384)
 SHARED_BREAKDOWN_MAX_M = 16
 TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates; the heuristic's pick is always added
@@ -177,7 +177,7 @@ def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
 # ----------------------------------------------------------------------------- benchmark
 
 
-def bench_shape(name: str, M: int, w: dict, ceil: dict, with_breakdown: bool) -> dict:
+def bench_shape(name: str, M: int, w: dict, ceil: dict, with_breakdown: bool, shared_breakdown_max_m: int) -> dict:
     E, k, H, I = SHAPES[name]
     x = _x(M, H)
     args = (x, w["router_weight"], w["w13"], w["w2"], k)
@@ -207,7 +207,7 @@ def bench_shape(name: str, M: int, w: dict, ceil: dict, with_breakdown: bool) ->
         extra["anchor_error"] = f"{type(e).__name__}: {str(e)[:200]}"
     if with_breakdown:
         extra["stages_ms"] = _stage_ms(x, w, k)
-        if M <= SHARED_BREAKDOWN_MAX_M:  # where the shared expert's extra decode time goes
+        if M <= shared_breakdown_max_m:  # where the shared expert's extra time goes
             extra["stages_shared_ms"] = _stage_ms(x, w, k, with_shared=True)
     return _bench.row("moe_block_routed", f"{name} M={M}", "bf16", ours_ms, "torch._grouped_mm pipeline",
                       anchor_ms, **extra)
@@ -217,7 +217,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def run_benchmark(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
+def run_benchmark(out: Path, shapes: list[str], ms: list[int],
+                  shared_breakdown_max_m: int = SHARED_BREAKDOWN_MAX_M) -> list[dict]:
     ceil = dict(_bench.ceilings())
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     rows = []
@@ -230,7 +231,7 @@ def run_benchmark(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
         for M in ms:
             t0 = time.time()
             try:
-                r = bench_shape(name, M, w, ceil, M in BREAKDOWN_MS)
+                r = bench_shape(name, M, w, ceil, M in BREAKDOWN_MS, shared_breakdown_max_m)
             except Exception as e:  # noqa: BLE001 - record and go on to the next shape
                 traceback.print_exc()
                 r = _bench.row("moe_block_routed", f"{name} M={M}", "bf16", math.nan, M=M,
@@ -406,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true", help="with --tune: keep the committed entries not re-tuned")
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
+    ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
+                    help="also time each stage with the shared expert up to this many tokens")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe needs a CUDA device; nothing to do")
@@ -417,7 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         run_tuning(out, shapes, ms, args.tune_budget_s, merge=args.merge)
     else:
         ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else MS)
-        run_benchmark(out, shapes, ms)
+        run_benchmark(out, shapes, ms, args.shared_breakdown_max_m)
     return 0
 
 
