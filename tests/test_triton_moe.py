@@ -112,6 +112,96 @@ def test_alignment_groups_slots_by_expert(single, shared, monkeypatch):
     assert int(al.total_blocks) == n_blocks <= al.max_blocks
 
 
+def _stable_sort_alignment(ids, n_local, block_m, emap=None, shared=False):
+    """The alignment built in plain torch: each slot's group, then a stable sort by group (shared slots last)."""
+    M, slots = ids.shape
+    top_k = slots - int(shared)
+    e_global = emap.shape[0] if emap is not None else n_local
+    routed = ids[:, :top_k].long()
+    valid = (routed >= 0) & (routed < e_global)
+    local = emap.long()[routed.clamp(0, e_global - 1)] if emap is not None else routed
+    groups = torch.full((M, slots), -1, dtype=torch.long)
+    groups[:, :top_k] = torch.where(valid, local, -1)
+    if shared:
+        groups[:, top_k] = n_local
+    groups = groups.flatten()
+    G = n_local + int(shared)
+    order = torch.sort(torch.where(groups >= 0, groups, G), stable=True).indices
+    counts = torch.bincount(groups[groups >= 0], minlength=G)
+    blocks = -(-counts // block_m)
+    starts = (torch.cumsum(blocks, 0) - blocks) * block_m
+    total = int(blocks.sum())
+    rows = torch.full((max(total * block_m, 1),), -1, dtype=torch.long)  # -1: padding row (content unspecified)
+    kept = order[: int(counts.sum())]
+    rank = torch.arange(kept.numel()) - (torch.cumsum(counts, 0) - counts).repeat_interleave(counts)
+    rows[starts.repeat_interleave(counts) + rank] = kept
+    return dict(slot_group=groups, group_count=counts, group_start=starts, total_blocks=total,
+                block_group=torch.arange(G).repeat_interleave(blocks), sorted_rows=rows)
+
+
+def _assert_same_alignment(al, want):
+    assert torch.equal(al.slot_group.cpu().long(), want["slot_group"])
+    assert torch.equal(al.group_count.cpu().long(), want["group_count"])
+    assert torch.equal(al.group_start.cpu().long(), want["group_start"])
+    total = int(al.total_blocks)
+    assert total == want["total_blocks"] <= al.max_blocks
+    assert torch.equal(al.block_group[:total].cpu().long(), want["block_group"])
+    real = want["sorted_rows"] >= 0
+    assert torch.equal(al.sorted_slots[: real.numel()].cpu().long()[real], want["sorted_rows"][real])
+
+
+def _force_chunks(monkeypatch, chunk_slots):
+    """Every input takes the two-launch path, in chunks of at most ``chunk_slots`` routed slots, <= 4 chunks when
+    that fits (the last chunk is ragged unless M divides evenly), scan tiles of 1 chunk."""
+    for name, value in (("SINGLE_CHUNK_MAX", 0), ("CHUNK_SLOTS_MAX", chunk_slots), ("MAX_CHUNKS", 4),
+                        ("SCAN_TILE", 16)):
+        monkeypatch.setattr(talign, name, value)
+
+
+_EMAP = torch.tensor([0, -1, 1, 2, -1, 3, 4, -1, 5], dtype=torch.int32)  # 9 global experts, 6 held here
+
+
+@pytest.mark.parametrize("M", [1, 2, 3, 17, 130, 300])
+@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("mapped", [False, True])
+def test_alignment_equals_a_stable_sort(M, chunked, mapped, monkeypatch):
+    """align(ids, shared=True) gives exactly the stable sort's layout, one program or chunks (ragged last)."""
+    if chunked:
+        _force_chunks(monkeypatch, 64)
+    elif M * 3 > talign.SINGLE_CHUNK_MAX:
+        pytest.skip("beyond one program")
+    gen = torch.Generator().manual_seed(M)
+    emap = _EMAP if mapped else None
+    n_local, top_k = (6, 3) if mapped else (9, 4)
+    ids = torch.randint(0, 9, (M, top_k), generator=gen, dtype=torch.int32)
+    ids = torch.cat([ids, torch.full((M, 1), 9, dtype=torch.int32)], dim=1)  # the shared slot: global id 9
+    al = talign.align(ids.to(DEVICE), n_local=n_local, block_m=16, shared=True,
+                      expert_map=None if emap is None else emap.to(DEVICE))
+    _assert_same_alignment(al, _stable_sort_alignment(ids, n_local, 16, emap, shared=True))
+
+
+@pytest.mark.parametrize("M,chunked", [(1, False), (2, False), (3, True), (17, True), (130, True)])
+@pytest.mark.parametrize("gate", [False, True])
+def test_route_and_align_equals_a_stable_sort(M, chunked, gate, monkeypatch):
+    """moe_block's routing + alignment (decode: one program; else route + count, scatter): the stable sort's
+    layout of the ids it returns, and the shared slot weighted sigmoid(x . gate) (1 without a gate)."""
+    from kernels_triton.moe import routing as trouting
+
+    if chunked:
+        _force_chunks(monkeypatch, 32)
+    gen = torch.Generator().manual_seed(M + gate)
+    E_global, H, top_k = 9, 32, 3
+    x, router_w, gate_w = _rnd(gen, M, H), _rnd(gen, E_global, H), _rnd(gen, 1, H)
+    logits, n_splits = trouting.router_logits(x, router_w, gate_w if gate else None)
+    weights, ids, al = talign.route_and_align(logits, n_splits, top_k, True, n_experts=E_global, n_local=6,
+                                              block_m=16, expert_map=_EMAP.to(DEVICE), gate=gate, shared=True)
+    _, want_ids = ref.moe_route((x @ router_w.T).cpu(), top_k)
+    assert torch.equal(ids[:, :top_k].cpu(), want_ids) and (ids[:, top_k] == E_global).all()
+    want_shared = torch.sigmoid(x @ gate_w.T).flatten() if gate else torch.ones(M, device=DEVICE)
+    assert_close(weights[:, top_k], want_shared, 1e-5, "shared weight")
+    _assert_same_alignment(al, _stable_sort_alignment(ids.cpu(), 6, 16, _EMAP, shared=True))
+
+
 # ----------------------------------------------------------------------------- experts
 
 
