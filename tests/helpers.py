@@ -46,3 +46,34 @@ def gdn_inputs(T: int, H: int, HV: int, K: int, V: int, *, dtype=torch.float32, 
         d.update(g=g.to(device=device, dtype=torch.float32),
                  beta=torch.rand(*lead, HV, generator=gen).to(device=device, dtype=dtype))
     return d
+
+
+def build_sm90(fn, types: dict, consts: dict, num_warps: int = 4, num_stages: int = 3) -> None:
+    """Compile a ``@triton.jit`` function to sm_90 code with Triton's bundled ptxas (no GPU needed): every
+    ``*_ptr`` argument and ``H``/``I`` are 16-divisible, pointers default to ``*i32``, other ints to ``i32``.
+    Call it in a process without TRITON_INTERPRET (see :func:`run_without_interpreter`)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        sig[n] = "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
+        if n.endswith("_ptr") or n in ("H", "I"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
+                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+def run_without_interpreter(code: str, timeout: int = 600):
+    """Run ``code`` in a fresh Python without TRITON_INTERPRET, from the repo root, with tests/ importable."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "tests"), root, env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=timeout)

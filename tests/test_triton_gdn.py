@@ -363,10 +363,15 @@ def test_default_diagonal_inverse_is_fp32_exact(monkeypatch):
     correlated keys with beta near 1 (see chunk._prepare_config)."""
     from kernels_triton.gdn import chunk
 
-    monkeypatch.setattr(chunk, "device_facts", lambda device: ("NVIDIA H200", 132, (9, 0)))
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
-        flags, _ = chunk._prepare_config(torch.device("cuda"), dtype)
-        assert not (flags["DIAG_BY_PRODUCT"] and flags["EXACT_PREC"] == "tf32"), dtype
+    for cc, rows in (((9, 0), {torch.bfloat16: 4, torch.float16: 4, torch.float32: 16}),
+                     ((7, 0), {torch.bfloat16: 16, torch.float16: 16, torch.float32: 16})):
+        monkeypatch.setattr(chunk, "device_facts", lambda device, cc=cc: ("some GPU", 80, cc))
+        chunk._prepare_config.cache_clear()
+        for dtype, diag_rows in rows.items():
+            flags, _ = chunk._prepare_config(torch.device("cuda"), dtype)
+            assert not (flags["DIAG_BY_PRODUCT"] and flags["EXACT_PREC"] == "tf32"), dtype
+            assert flags["DIAG_ROWS"] == diag_rows, (cc, dtype)  # 4-row blocks only where the merges are tf32
+    chunk._prepare_config.cache_clear()
 
 
 def test_tuned_entries_give_only_launch_fields(tmp_path, monkeypatch):

@@ -23,6 +23,7 @@ and keeps per token bucket the BLOCK_M whose gate_up + down sum is least.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -172,6 +173,48 @@ def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
         "combine": lambda: experts.combine(y, al, M, slots),
     }
     return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()}
+
+
+def down_flat_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
+    """The down GEMM alone (graph replay) with 1, 2, 4, ... column tiles per program (``TILES_N``, a flat loop
+    over (tile, K step)): the tiles' K loops are short (I = 128..1024), so per-tile fill and index loads count."""
+    from kernels_triton.moe import config, experts
+
+    rows = []
+    for name in shapes:
+        E, k, H, I = SHAPES[name]
+        w = _weights(E, H, I)
+        for M in ms:
+            x = _x(M, H)
+            up_cfg, down_cfg = config.configs(M, k, E, H, I, x.dtype, x.device)
+            weights, _, al = _route_align_for(x, w, k, up_cfg.BLOCK_M)
+            h = experts.gate_up(x, w["w13"], None, al, k, up_cfg)
+            n_tiles = -(-H // down_cfg.BLOCK_N)
+            want = experts.down(h, w["w2"], None, al, weights, down_cfg, tiles_n=1)
+            for tiles_n in sorted({1, 2, 4, 8, 16, n_tiles} & set(range(1, n_tiles + 1))):
+                call = functools.partial(experts.down, h, w["w2"], None, al, weights, down_cfg, tiles_n=tiles_n)
+                try:
+                    same = bool(torch.equal(call(), want))
+                    ms_ = _gpu_ms(call, M)
+                    r = dict(sweep="down_tiles_n", shape=f"{name} M={M}", config=down_cfg.as_dict(), tiles_n=tiles_n,
+                             us=round(ms_ * 1e3, 1), TFLOPs=round(2 * M * k * H * I / ms_ / 1e9, 1), same_bits=same)
+                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record and go on
+                    r = dict(sweep="down_tiles_n", shape=f"{name} M={M}", tiles_n=tiles_n,
+                             error=f"{type(e).__name__}: {str(e)[:200]}")
+                rows.append(r)
+                print(r, flush=True)
+                _bench.write_results(out, f"moe_down_flat_{_config_slug()}", rows)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _route_align_for(x, w, top_k, block_m):  # noqa: ANN001, ANN202
+    from kernels_triton.moe import align, routing
+
+    E = w["w13"].shape[0]
+    logits, n_splits = routing.router_logits(x, w["router_weight"], None)
+    return align.route_and_align(logits, n_splits, top_k, True, n_experts=E, n_local=E, block_m=block_m,
+                                 expert_map=None, gate=False, shared=False)
 
 
 # ----------------------------------------------------------------------------- benchmark
@@ -407,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--merge", action="store_true", help="with --tune: keep the committed entries not re-tuned")
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
+    ap.add_argument("--down-flat", action="store_true", help="sweep the down GEMM's column tiles per program")
     ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
                     help="also time each stage with the shared expert up to this many tokens")
     args = ap.parse_args(argv)
@@ -415,6 +459,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     shapes = args.shapes.split(",") if args.shapes else list(QUICK_SHAPES if args.quick else SHAPES)
     out = Path(args.out)
+    if args.down_flat:
+        down_flat_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1024, 4096, 16384])
+        return 0
     if args.tune:
         ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else TUNE_MS)
         run_tuning(out, shapes, ms, args.tune_budget_s, merge=args.merge)

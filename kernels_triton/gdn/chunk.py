@@ -477,9 +477,14 @@ PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS"
 def _prepare_config(device: torch.device, dtype: torch.dtype) -> tuple[dict, dict]:
     """(kernel flags, launch options) of phase 1 for this device and activation dtype.
 
-    Every dtype inverts the 16-row diagonal blocks by substitution, exact in fp32. bf16 on sm80+ adds a
-    168-register cap (3 CTAs per SM instead of 2): 1.93 ms against 2.15 at 27B-TP1 T=32768 (H200 sweep,
-    tuning/results/gdn_sweep_r2_nvidia_h200.json).
+    The diagonal inverse stays exact in fp32 for every dtype. bf16 and fp16 on sm80+ invert 4-row diagonal
+    blocks by substitution (3 dependent steps) and merge them 4 -> 8 -> 16 -> 32 -> 64 in tf32 dots: merges
+    ``T_21 = -T_22 A_21 T_11`` do not cancel, so they keep the bf16 budget on the hard keys (GPU test
+    ``test_prefill_prepare_variants_correlated_keys``). H200 sweep (tuning/results/gdn_sweep_c_nvidia_h200.json):
+    1.31 ms against 1.92 ms for 16-row substitution at 27B-TP1 T=32768, 0.335 against 0.492 at 27B-TP4
+    8x4096, output errors equal to 3 digits on both key sets. fp32 (tf32x3 merges, not timed) and pre-sm80
+    GPUs (no tf32) keep 16-row substitution. bf16 also caps registers at 168 (3 CTAs per SM instead of 2:
+    1.93 against 2.15 ms with 16-row blocks; no difference with 4-row blocks).
 
     Not the product series in plain tf32 dots (``DIAG_BY_PRODUCT`` with ``EXACT_PREC="tf32"``), although
     it measured 1.45 ms: ``(I - N)(I + N^2)(I + N^4)(I + N^8)`` builds large intermediate products that
@@ -490,7 +495,7 @@ def _prepare_config(device: torch.device, dtype: torch.dtype) -> tuple[dict, dic
     """
     tf32 = device_facts(device)[2] >= (8, 0)
     flags = {"DIAG_BY_PRODUCT": False, "LOWP_MERGE": False, "EXACT_PREC": "tf32x3" if tf32 else "ieee",
-             "DIAG_ROWS": 16}
+             "DIAG_ROWS": 4 if tf32 and dtype in (torch.bfloat16, torch.float16) else 16}
     options = {"num_warps": 4, "num_stages": 1}
     if dtype == torch.bfloat16 and tf32:
         options["maxnreg"] = 168
@@ -500,6 +505,8 @@ def _prepare_config(device: torch.device, dtype: torch.dtype) -> tuple[dict, dic
 def _split_prepare_config(device: torch.device, dtype: torch.dtype, override: dict | None) -> tuple[dict, dict]:
     flags, options = _prepare_config(device, dtype)
     if override:
+        if override.get("DIAG_BY_PRODUCT") and "DIAG_ROWS" not in override:
+            override = {**override, "DIAG_ROWS": 16}  # the series inverts 16-row blocks, whatever the default
         flags = {**flags, **{k: v for k, v in override.items() if k in PREPARE_CONSTEXPRS}}
         options = {**options, **{k: v for k, v in override.items() if k not in PREPARE_CONSTEXPRS}}
     return flags, options

@@ -93,18 +93,45 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, gro
 
 
 @triton.jit
+def _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN: tl.constexpr, IEEE: tl.constexpr):
+    """One K step of the down GEMM: ``acc += h[rows, k0:k0+BK] @ W2[cols, k0:k0+BK]^T`` (masked unless EVEN)."""
+    if EVEN:
+        a = tl.load(a_ptrs)
+        b = tl.load(b_ptrs)
+    else:
+        k_ok = (ks + k0) < I
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+    if IEEE:  # fp32 inputs: full fp32 products, not tf32
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
 def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                  total_blocks_ptr, weights_ptr, y_ptr, H, I, E_LOCAL, HAS_SHARED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr = 1):
+    """One aligned block times TILES_N column tiles of its expert's W2.
+
+    TILES_N > 1 runs the tiles' K loops as one flat loop (the epilogue of a tile inside it), so the
+    pipelined loads of the next tile start while the current one finishes, and the block's index loads
+    are paid once: at large M the down GEMM's K (= I) is short (2-8 steps of BLOCK_K), so a tile's
+    pipeline fill, index loads and epilogue are a large part of its time.
+    """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
-    block, tile_n = pid // n_tiles, pid % n_tiles
+    n_groups = tl.cdiv(n_tiles, TILES_N)
+    block, tile_n = pid // n_groups, (pid % n_groups) * TILES_N
     if block >= tl.load(total_blocks_ptr):
         return
     group, rows, real, slots = _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                                            BLOCK_M)
     w_base = _expert_weights(w_ptr, shared_w_ptr, group, H * I, E_LOCAL, HAS_SHARED)
+    if TILES_N > 1:
+        _down_tiles_flat(h_ptr, w_base, weights_ptr, y_ptr, rows, real, slots, tile_n, n_tiles, H, I,
+                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N)
+        return
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     ks = tl.arange(0, BLOCK_K)
@@ -112,23 +139,38 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
     b_ptrs = w_base + cols[None, :] * I + ks[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        if EVEN_K and EVEN_N:
-            a = tl.load(a_ptrs)
-            b = tl.load(b_ptrs)
-        else:
-            k_ok = (ks + k0) < I
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+        acc = _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN_K and EVEN_N, IEEE)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
     out = acc * weight[:, None]
     y_ptrs = y_ptr + slots.to(tl.int64)[:, None] * H + cols[None, :]
     tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_tiles_flat(h_ptr, w_base, weights_ptr, y_ptr, rows, real, slots, tile0, n_tiles, H, I,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr):
+    """Column tiles ``tile0 ..`` (at most TILES_N) of one block: one loop over (tile, K step) pairs; a tile's
+    result is scaled and stored at its last K step. Same K order per tile as the one-tile loop: same bits."""
+    n_k = tl.cdiv(I, BLOCK_K)
+    steps = tl.minimum(n_tiles - tile0, TILES_N) * n_k
+    ks = tl.arange(0, BLOCK_K)
+    a_rows = h_ptr + rows.to(tl.int64)[:, None] * I
+    y_rows = y_ptr + slots.to(tl.int64)[:, None] * H
+    weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for it in range(0, steps):
+        t = it // n_k
+        k0 = (it - t * n_k) * BLOCK_K
+        cols = (tile0 + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+        acc = _down_step(a_rows + (k0 + ks)[None, :], w_base + cols[None, :] * I + (k0 + ks)[:, None], acc, k0, ks,
+                         I, cols < H, EVEN_K and EVEN_N, IEEE)
+        if k0 + BLOCK_K >= I:  # this tile's last K step: epilogue, then start the next tile from zero
+            out = acc * weight[:, None]
+            tl.store(y_rows + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=real[:, None] & (cols < H)[None, :])
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
@@ -168,17 +210,35 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None,
     return h
 
 
+def down_tiles_per_program(cfg: GemmConfig, H: int, I: int) -> int:
+    """Column tiles one down program runs in a flat loop (see :func:`_down_kernel`): about 32 K steps per program
+    with 64- and 128-row blocks; one tile with 16-row blocks (decode streams weights: it wants many programs).
+
+    H200 sweep of the down GEMM alone (tuning/results/moe_down_flat_nvidia_h200.json), us for 1 tile -> this rule:
+    397B-TP8 (I=128) M=1024 230 -> 160, M=4096 421 -> 268, M=16384 1024 -> 692; 35B (I=512) M=4096 261 -> 246,
+    M=16384 688 -> 609; 35B M=1024 145 -> 153 (the one loss; one tile is best there).
+    """
+    if cfg.BLOCK_M < 64:
+        return 1
+    return max(1, min(cdiv(H, cfg.BLOCK_N), 32 // cdiv(I, cfg.BLOCK_K)))
+
+
 def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: Alignment, weights: torch.Tensor,
-         cfg: GemmConfig) -> torch.Tensor:
-    """``y`` ``[M * slots, H]``: each kept slot's expert output times its router weight (dropped rows unwritten)."""
+         cfg: GemmConfig, tiles_n: int | None = None) -> torch.Tensor:
+    """``y`` ``[M * slots, H]``: each kept slot's expert output times its router weight (dropped rows unwritten).
+
+    ``tiles_n``: column tiles per program (default :func:`down_tiles_per_program`); any value gives the same bits.
+    """
     H, I = w2.shape[1], w2.shape[2]
     y = torch.empty(weights.numel(), H, dtype=h.dtype, device=h.device)
-    grid = (al.max_blocks * cdiv(H, cfg.BLOCK_N),)
+    n_tiles = cdiv(H, cfg.BLOCK_N)
+    tiles_n = max(1, min(tiles_n or down_tiles_per_program(cfg, H, I), n_tiles))
+    grid = (al.max_blocks * cdiv(n_tiles, tiles_n),)
     _launch_down[grid](
         h, w2, shared_w2 if shared_w2 is not None else w2, al.sorted_slots, al.block_group, al.group_start,
         al.group_count, al.total_blocks, weights, y, H, I, w2.shape[0], HAS_SHARED=shared_w2 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
-        EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32, num_warps=cfg.num_warps,
+        EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32, TILES_N=tiles_n, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages)
     return y
 
