@@ -12,20 +12,21 @@ per (row, channel block); padding rows (slot < 0) write zeros and leave the pool
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from kernels_triton._launch import DirectLauncher
+
 MAX_WIDTH = 8  # as the façade
+PREFILL_ROWS = 16  # token rows per prefill program (BT)
 
 
 def _pow2(n: int) -> int:
     """Next power of two >= n; plain Python (triton.next_power_of_2 costs microseconds of host time)."""
     return 1 << max(n - 1, 0).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @triton.jit
@@ -155,13 +156,36 @@ def _conv_update_kernel(
         tl.store(y_ptr + row * D + d, y.to(y_ptr.dtype.element_ty), mask=dmask)
 
 
+_launch_prefill = DirectLauncher(_conv_prefill_kernel)
+_launch_head = DirectLauncher(_conv_head_kernel)
+_launch_update = DirectLauncher(_conv_update_kernel)
+
+_WARPS4 = {"num_warps": 4}
+_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
 def _check(x: torch.Tensor, weight: torch.Tensor) -> int:
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if x.dtype not in _ACTIVATION_DTYPES:
         raise ValueError(f"triton conv1d takes fp16, bf16 or fp32 activations, got {x.dtype}")
     W = weight.shape[1]
     if W > MAX_WIDTH:
         raise ValueError(f"triton conv1d takes window W <= {MAX_WIDTH}, got {W}")
     return W
+
+
+@functools.lru_cache(maxsize=1024)
+def _prefill_plan(D: int, W: int, N: int) -> tuple[int, int, int, int]:
+    """(BD, channel blocks, binary-search steps over N sequences, BH): the launch parameters that depend on
+    shapes only, computed once per shape (each costs host time on every call otherwise)."""
+    BD = min(128, _pow2(D))
+    return BD, -(-D // BD), max(1, (N - 1).bit_length()), _pow2(W - 1)
+
+
+@functools.lru_cache(maxsize=1024)
+def _update_plan(D: int, W: int) -> tuple[int, int, int]:
+    """(BD, channel blocks, BW) of the decode update."""
+    BD = min(256, _pow2(D))
+    return BD, -(-D // BD), _pow2(W)
 
 
 def causal_conv1d_prefill(
@@ -183,20 +207,17 @@ def causal_conv1d_prefill(
     N = cu_seqlens.numel() - 1 if varlen else 1
     if N == 0:
         return y
-    BD = min(128, _pow2(D))
+    BD, d_blocks, search_steps, BH = _prefill_plan(D, W, N)
     pool = conv_pool is not None
     silu = activation == "silu"
     if T > 0:
-        BT = 16
-        _conv_prefill_kernel[(_cdiv(T, BT), _cdiv(D, BD))](
+        _launch_prefill((-(-T // PREFILL_ROWS), d_blocks), (
             x, weight, bias, y, cu_seqlens, T, D, N,
-            W=W, BT=BT, BD=BD, SEARCH_STEPS=max(1, (N - 1).bit_length()), VARLEN=varlen,
-            SKIP_HEADS=pool and W > 1, HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
+            W, PREFILL_ROWS, BD, search_steps, varlen, pool and W > 1, bias is not None, silu), _WARPS4)
     if pool and W > 1:
-        _conv_head_kernel[(N, _cdiv(D, BD))](
+        _launch_head((N, d_blocks), (
             x, weight, bias, y, cu_seqlens, conv_pool, conv_slots, has_initial_state, T, D, conv_pool.stride(0),
-            W=W, BD=BD, BH=_pow2(W - 1), VARLEN=varlen, HAS_INIT_FLAGS=has_initial_state is not None,
-            HAS_BIAS=bias is not None, SILU=silu, num_warps=4)
+            W, BD, BH, varlen, has_initial_state is not None, bias is not None, silu), _WARPS4)
     return y
 
 
@@ -215,9 +236,8 @@ def causal_conv1d_update(
     y = torch.empty_like(x)
     if B == 0:
         return y
-    BD = min(256, _pow2(D))
-    _conv_update_kernel[(B, _cdiv(D, BD))](
+    BD, d_blocks, BW = _update_plan(D, W)
+    _launch_update((B, d_blocks), (
         x, weight, bias, y, conv_pool, conv_slots, D, conv_pool.stride(0),
-        W=W, BD=BD, BW=_pow2(W), HAS_BIAS=bias is not None, SILU=activation == "silu",
-        num_warps=4)
+        W, BD, BW, bias is not None, activation == "silu"), _WARPS4)
     return y

@@ -8,9 +8,13 @@ wider ones take two passes over column blocks (sum of squares, then scale).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
+
+from kernels_triton._launch import DirectLauncher
 
 ONE_PASS_MAX = 8192
 
@@ -18,10 +22,6 @@ ONE_PASS_MAX = 8192
 def _pow2(n: int) -> int:
     """Next power of two >= n; plain Python (triton.next_power_of_2 costs microseconds of host time)."""
     return 1 << max(n - 1, 0).bit_length()
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @triton.jit
@@ -77,8 +77,21 @@ def _rms_norm_kernel(
             _scale_store(x, rstd, z_ptr, w_ptr, y_ptr, base + c[None, :], c, mask, N, GATED, ZERO_CENTERED)
 
 
+_launch_norm = DirectLauncher(_rms_norm_kernel)
+_ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(N: int) -> tuple[int, int, bool, dict]:
+    """(BM rows per program, BN, one pass?, launch options) for rows of N: computed once per width."""
+    one_pass = N <= ONE_PASS_MAX
+    BN = _pow2(N) if one_pass else 2048
+    BM = max(1, min(64, 4096 // BN)) if one_pass else 1
+    return BM, BN, one_pass, {"num_warps": 8 if BN * BM >= 4096 else 4}
+
+
 def _launch(x, z, residual, weight, eps, gated: bool, zero_centered: bool):
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if x.dtype not in _ACTIVATION_DTYPES:
         raise ValueError(f"triton norms take fp16, bf16 or fp32 activations, got {x.dtype}")
     N = x.shape[-1]
     M = x.numel() // N if N else 0
@@ -88,13 +101,10 @@ def _launch(x, z, residual, weight, eps, gated: bool, zero_centered: bool):
         if s is not None:
             s.copy_(x + residual)
         return y, s
-    one_pass = N <= ONE_PASS_MAX
-    BN = _pow2(N) if one_pass else 2048
-    BM = max(1, min(64, 4096 // BN)) if one_pass else 1
-    _rms_norm_kernel[(_cdiv(M, BM),)](
+    BM, BN, one_pass, options = _plan(N)
+    _launch_norm((-(-M // BM),), (
         x, z, residual, weight, y, s, M, N, float(eps),
-        BM=BM, BN=BN, ONE_PASS=one_pass, GATED=gated, ZERO_CENTERED=zero_centered,
-        RESIDUAL=residual is not None, num_warps=8 if BN * BM >= 4096 else 4)
+        BM, BN, one_pass, gated, zero_centered, residual is not None), options)
     return y, s
 
 

@@ -260,18 +260,21 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: object = None) -> torch.Tensor:
         T, c, zv, w = x.shape[0], self.conv_dim, self.HV * self.V, self.in_proj.weight
-        qkv = x.new_empty(T * c)  # q, k, v planes back to back, each [T, channels] contiguous
-        planes = self._planes(qkv, T)
         if T >= ROW_BLOCK_PROJ_MIN_TOKENS:
-            for (lo, hi), plane in zip(self.channel_ranges, planes, strict=True):
+            qkv = x.new_empty(T * c)  # q, k, v planes back to back, each [T, channels] contiguous
+            for (lo, hi), plane in zip(self.channel_ranges, self._planes(qkv, T), strict=True):
                 torch.matmul(x, w[lo:hi].t(), out=plane)
             z, ba = F.linear(x, w[c:c + zv]), F.linear(x, w[c + zv:])
+        elif T == 1:  # one row: its q | k | v columns are the three planes already
+            y = self.in_proj(x)
+            qkv, z, ba = y[0, :c], y[:, c:c + zv], y[:, c + zv:]
         else:
             y = self.in_proj(x)
-            for (lo, hi), plane in zip(self.channel_ranges, planes, strict=True):
+            qkv = x.new_empty(T * c)
+            for (lo, hi), plane in zip(self.channel_ranges, self._planes(qkv, T), strict=True):
                 plane.copy_(y[:, lo:hi])
             z, ba = y[:, c:c + zv].contiguous(), y[:, c + zv:]
-        out = torch.zeros(T, self.HV, self.V, dtype=x.dtype, device=x.device)
+        out = x.new_empty(T, self.HV, self.V)  # the core writes every row
         self.state.run(self.core, qkv, ba[:, self.HV:].contiguous(), ba[:, :self.HV].contiguous(), out)
         out = ops.rms_norm_gated(out, z.view(T, self.HV, self.V), self.norm_weight, self.eps)
         return self.out_proj(out.view(T, -1))
@@ -296,7 +299,8 @@ class GatedDeltaNet(nn.Module):
         return [q.view(n, self.H, self.K), k.view(n, self.H, self.K), v.view(n, self.HV, self.V)]
 
     def core(self, step: GDNStep, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        """Conv + delta rule for one forward, writing ``out [T, HV, V]`` in place (decode rows, then prefills).
+        """Conv + delta rule for one forward, writing every row of ``out [T, HV, V]`` in place (decode rows, then
+        prefills, then zeros on rows the host padded the batch with).
 
         ``qkv`` is the flat buffer of the q, k and v planes (see :meth:`forward`); ``a``, ``b`` ``[T, HV]``.
         """
@@ -317,6 +321,8 @@ class GatedDeltaNet(nn.Module):
                 has_initial_state=step.prefill_has_initial_state, use_qk_l2norm=True,
                 metadata=step.prefill_metadata)
             out[s:e] = o
+        if nd + step.num_prefill_tokens < out.shape[0]:
+            out[nd + step.num_prefill_tokens:].zero_()  # rows the host padded the batch with
 
 
 class GatedAttention(nn.Module):

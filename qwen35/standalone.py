@@ -112,25 +112,66 @@ class SlotAttention(nn.Module):
         return o[0].transpose(0, 1).reshape(n, H * D)
 
 
+def _aligned16(n: int) -> int:
+    """``n`` int32 values rounded up to a multiple of 16 bytes (as kernels_triton._launch.aligned16)."""
+    return -(-n // 4) * 4
+
+
 class _StepBuffer:
     """The int32 values one step sends to the device: named parts of one host buffer (pinned for a
-    CUDA device), filled in place through numpy and copied with one asynchronous transfer."""
+    CUDA device), filled in place through numpy and copied with one asynchronous transfer.
 
-    def __init__(self, sizes: dict[str, int], pinned: bool):
+    The host memory is kept from step to step (pinning memory costs a system call; the caching allocator's
+    per-step bookkeeping is host time too) and grows when a step needs more. Before it is written again, the
+    event recorded after the last copy is awaited: the copy reads the host memory when the device gets to it,
+    so a buffer rewritten earlier would send the next step's values.
+    """
+
+    def __init__(self, pinned: bool):
+        self.pinned = pinned
+        self.host = torch.empty(0, dtype=torch.int32)
+        self._np = self.host.numpy()
+        self.parts: dict[str, tuple[int, int]] = {}
+        self._copied: torch.cuda.Event | None = None  # recorded after the last copy, until awaited
+        self._event: torch.cuda.Event | None = None
+
+    def layout(self, sizes: dict[str, int]) -> None:
+        """Lay out the parts (each 16-byte aligned: Triton specialises kernels on pointer alignment)."""
         self.parts, at = {}, 0
         for name, n in sizes.items():
             self.parts[name] = (at, n)
-            at += -(-n // 4) * 4  # each part 16-byte aligned: Triton specialises kernels on pointer alignment
-        self.host = torch.empty(max(at, 4), dtype=torch.int32, pin_memory=pinned)
-        self._np = self.host.numpy()
+            at += _aligned16(n)
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        if self.host.numel() < at:
+            self.host = torch.empty(max(at, 2 * self.host.numel(), 256), dtype=torch.int32, pin_memory=self.pinned)
+            self._np = self.host.numpy()
 
     def part(self, name: str) -> np.ndarray:
         at, n = self.parts[name]
         return self._np[at:at + n]
 
-    def to(self, device: torch.device) -> dict[str, torch.Tensor]:
-        buf = self.host if device.type == "cpu" else self.host.to(device, non_blocking=True)
-        return {name: buf[at:at + n] for name, (at, n) in self.parts.items()}
+    def flags(self, name: str) -> np.ndarray:
+        """A part holding bools, one byte each (read on the device as a bool tensor, no conversion kernel)."""
+        at, n = self.parts[name]
+        return self._np.view(np.uint8)[4 * at:4 * at + n]
+
+    def to(self, device: torch.device, flags: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        used = max((at + _aligned16(n) for at, n in self.parts.values()), default=0)
+        if device.type == "cpu":
+            buf = self.host[:used].clone()  # the host buffer is rewritten by the next step
+        else:
+            buf = self.host[:used].to(device, non_blocking=True)
+            if self.pinned:
+                self._event = self._event or torch.cuda.Event()
+                self._event.record()
+                self._copied = self._event
+        out = {name: buf[at:at + n] for name, (at, n) in self.parts.items() if name not in flags}
+        raw = buf.view(torch.uint8)
+        out.update({name: raw[4 * at:4 * at + n].view(torch.bool) for name, (at, n) in self.parts.items()
+                    if name in flags})
+        return out
 
 
 class SlotGDNState:
@@ -180,6 +221,7 @@ class Qwen35Standalone:
         self.model.eval()
         self.lengths = [0] * max_seqs
         self.free = list(range(max_seqs))
+        self._step_buffer = _StepBuffer(pinned=self.device.type == "cuda")
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kw) -> Qwen35Standalone:
@@ -219,61 +261,68 @@ class Qwen35Standalone:
         """(token ids ``[T]``, the step's layout, rows of the hidden states whose logits :meth:`step` returns).
 
         Everything the device needs is computed on the host in one int32 buffer and copied with
-        one (pinned, asynchronous) transfer.
+        one (pinned, asynchronous) transfer. Work over the tokens is numpy's; Python loops run over sequences.
         """
         if len(slots) != len(tokens):
             raise ValueError(f"{len(slots)} slots but {len(tokens)} token lists")
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots repeat in one step: {slots}")
-        for s, toks in zip(slots, tokens, strict=True):
+        lens_in = [len(t) for t in tokens]
+        for s, n in zip(slots, lens_in, strict=True):
             if not 0 <= s < self.host.max_seqs or s in self.free:
                 raise ValueError(f"slot {s} is not an allocated sequence")
-            if not toks:
+            if not n:
                 raise ValueError(f"sequence in slot {s} brings no tokens")
-            if self.lengths[s] + len(toks) > self.host.max_len:
-                raise ValueError(f"sequence in slot {s} would reach {self.lengths[s] + len(toks)} tokens; "
+            if self.lengths[s] + n > self.host.max_len:
+                raise ValueError(f"sequence in slot {s} would reach {self.lengths[s] + n} tokens; "
                                  f"max_len={self.host.max_len}")
-        is_decode = [len(t) == 1 and self.lengths[s] > 0 for s, t in zip(slots, tokens, strict=True)]
-        order = [i for i in range(len(slots)) if is_decode[i]] + [i for i in range(len(slots)) if not is_decode[i]]
+        N = len(slots)
+        is_decode = [n == 1 and self.lengths[s] > 0 for s, n in zip(slots, lens_in, strict=True)]
+        order = [i for i in range(N) if is_decode[i]] + [i for i in range(N) if not is_decode[i]]
         nd = sum(is_decode)
         seq_slots = [slots[i] for i in order]
         ctxs = [self.lengths[s] for s in seq_slots]
-        lens = [len(tokens[i]) for i in order]
+        lens = [lens_in[i] for i in order]
         starts = list(itertools.accumulate(lens, initial=0))  # first row of each sequence, in step order
-        first_row = dict(zip(order, starts, strict=False))
-        N, T = len(order), starts[-1]
+        T = starts[-1]
         prefill_cu = [r - starts[nd] for r in starts[nd:]]
-        buf = _StepBuffer(dict(ids=T, slots=T, positions=T, rows=T if all_logits else N, seq_slots=N,
-                               cu=N - nd + 1, decode_lens=nd, has_init=N - nd), pinned=self.device.type == "cuda")
+        buf = self._step_buffer
+        buf.layout(dict(ids=T, slots=T, positions=T, rows=T if all_logits else N, seq_slots=N, cu=N - nd + 1,
+                        decode_lens=nd, has_init=N - nd))
         ids, tok_slots, tok_pos = buf.part("ids"), buf.part("slots"), buf.part("positions")
         for j, i in enumerate(order):
             lo, hi = starts[j], starts[j + 1]
             ids[lo:hi] = tokens[i]
-            tok_slots[lo:hi] = seq_slots[j]
-            tok_pos[lo:hi] = np.arange(ctxs[j], ctxs[j] + lens[j])
-        if all_logits:
-            buf.part("rows")[:] = np.concatenate([np.arange(first_row[i], first_row[i] + len(tokens[i]))
-                                                  for i in range(N)])
+            if hi - lo == 1:
+                tok_slots[lo], tok_pos[lo] = seq_slots[j], ctxs[j]
+            else:
+                tok_slots[lo:hi] = seq_slots[j]
+                np.add(np.arange(hi - lo, dtype=np.int32), ctxs[j], out=tok_pos[lo:hi])
+        first_row = [0] * N  # first row of each sequence, in input order
+        for j, i in enumerate(order):
+            first_row[i] = starts[j]
+        if all_logits:  # input order: sequence i's rows first_row[i] .. + lens_in[i]
+            offsets = np.repeat(np.asarray(first_row) - np.asarray(list(itertools.accumulate(lens_in, initial=0))[:-1]),
+                                lens_in)
+            np.add(np.arange(T, dtype=np.int32), offsets, out=buf.part("rows"), casting="unsafe")
         else:
-            buf.part("rows")[:] = [first_row[i] + len(tokens[i]) - 1 for i in range(N)]
+            buf.part("rows")[:] = [first_row[i] + lens_in[i] - 1 for i in range(N)]
         buf.part("seq_slots")[:] = seq_slots
         buf.part("cu")[:] = prefill_cu
         buf.part("decode_lens")[:] = [c + 1 for c in ctxs[:nd]]
-        buf.part("has_init")[:] = [c > 0 for c in ctxs[nd:]]
-        d = buf.to(self.device)
-        ids, tok_slots, tok_pos, rows, seq_slots_d, cu = (d[k] for k in ("ids", "slots", "positions", "rows",
-                                                                         "seq_slots", "cu"))
-        decode_lens, has_init = d["decode_lens"], d["has_init"]
-        prefills = [(seq_slots[j], ctxs[j], lens[j], starts[j]) for j in range(nd, len(order))]
+        buf.flags("has_init")[:] = [c > 0 for c in ctxs[nd:]]
+        d = buf.to(self.device, flags=("has_init",))
+        seq_slots_d, cu = d["seq_slots"], d["cu"]
+        prefills = [(seq_slots[j], ctxs[j], lens[j], starts[j]) for j in range(nd, N)]
         gdn = dict(
             num_decodes=nd, decode_slots=seq_slots_d[:nd] if nd else None, num_prefill_tokens=prefill_cu[-1],
             prefill_cu_seqlens=cu if prefills else None, prefill_slots=seq_slots_d[nd:] if prefills else None,
-            prefill_has_initial_state=has_init.bool() if prefills else None)
+            prefill_has_initial_state=d["has_init"] if prefills else None)
         if prefills:
             gdn["prefill_metadata"] = ops.prepare_gdn_metadata(cu)
-        batch = _Batch(num_decodes=nd, decode_slots=seq_slots_d[:nd], decode_lens=decode_lens if nd else None,
-                       prefills=prefills, token_slots=tok_slots, token_positions=tok_pos, gdn=gdn)
-        return ids, batch, rows
+        batch = _Batch(num_decodes=nd, decode_slots=seq_slots_d[:nd], decode_lens=d["decode_lens"] if nd else None,
+                       prefills=prefills, token_slots=d["slots"], token_positions=d["positions"], gdn=gdn)
+        return d["ids"], batch, d["rows"]
 
     @torch.no_grad()
     def step(self, slots: list[int], tokens: list[list[int]], *, all_logits: bool = False) -> torch.Tensor:
