@@ -199,6 +199,8 @@ def test_route_and_align_equals_a_stable_sort(M, chunked, gate, monkeypatch):
     assert torch.equal(ids[:, :top_k].cpu(), want_ids) and (ids[:, top_k] == E_global).all()
     want_shared = torch.sigmoid(x @ gate_w.T).flatten() if gate else torch.ones(M, device=DEVICE)
     assert_close(weights[:, top_k], want_shared, 1e-5, "shared weight")
+    alone = trouting.route(logits, top_k, True, n_splits=n_splits, n_experts=E_global, gate=gate, shared=True)
+    assert torch.equal(alone[0], weights) and torch.equal(alone[1], ids), "route alone differs from route_and_align"
     _assert_same_alignment(al, _stable_sort_alignment(ids.cpu(), 6, 16, _EMAP, shared=True))
 
 
@@ -396,16 +398,22 @@ def build(fn, types, consts, num_warps=4, num_stages=3):
 
 bf, f32 = "*bf16", "*fp32"
 route = dict(N_SPLITS=4, TOP_K=10, K_PAD=16, E_PAD=512, RENORMALIZE=True, HAS_GATE=True, HAS_SHARED=True)
-build(R._router_logits_kernel, {"x_ptr": bf, "w_ptr": bf, "gate_ptr": bf, "out_ptr": f32},
-      dict(HAS_GATE=True, BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, IEEE=False), 8)
-build(R._route_kernel, {"logits_ptr": f32, "weights_ptr": f32}, dict(route, ROWS=8))
-build(A._route_align_kernel, {"logits_ptr": f32, "weights_ptr": f32},
-      dict(route, ROWS=8, HAS_MAP=True, N_PAD=256, G_PAD=1024, BLOCK_M=16))
-build(A._count_kernel, {"logits_ptr": f32, "weights_ptr": f32},
-      dict(route, ROUTE=True, ROWS=16, TILES=4, HAS_MAP=True, CHUNK_PAD=1024, G_PAD=1024), 8)
+router = {"x_ptr": bf, "w_ptr": bf, "gate_ptr": bf, "out_ptr": f32, "gate_out_ptr": f32}
+for bm, bn, bk, warps in ((16, 16, 128, 4), (128, 128, 64, 8)):  # GEMV-like decode tiles, tensor-core prefill tiles
+    build(R._router_logits_kernel, router, dict(HAS_GATE=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, IEEE=False), warps)
+build(R._router_logits_kernel, router, dict(HAS_GATE=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, IEEE=False), 4, 4)
+build(R._router_logits_kernel, dict(router, x_ptr=f32, w_ptr=f32, gate_ptr=f32),
+      dict(HAS_GATE=True, BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, IEEE=True), 4, 4)
+logits = {"logits_ptr": f32, "gate_ptr": f32, "weights_ptr": f32}
+build(R._route_kernel, logits, dict(route, ROWS=8))
+build(A._route_align_kernel, logits, dict(route, ROWS=8, HAS_MAP=True, N_PAD=256, G_PAD=512, BLOCK_M=16))
+build(A._count_kernel, logits, dict(route, ROUTE=True, ROWS=16, TILES=4, HAS_MAP=True, CHUNK_PAD=1024, G_PAD=512), 8)
 build(A._count_kernel, {"logits_ptr": "*i32", "weights_ptr": "*i32"},
-      dict(route, ROUTE=False, ROWS=16, TILES=4, HAS_MAP=False, CHUNK_PAD=1024, G_PAD=512))
-build(A._scatter_kernel, {}, dict(BLOCK_M=128, CHUNK_PAD=1024, G_PAD=1024, TILE_C=16), 8)
+      dict(route, ROUTE=False, ROWS=16, TILES=4, HAS_MAP=False, CHUNK_PAD=1024, G_PAD=256))
+build(A._align_single_kernel, {}, dict(TOP_K=8, HAS_MAP=False, HAS_SHARED=True, N_PAD=1024, G_PAD=256, BLOCK_M=16))
+for top_k, chunk_pad in ((8, 512), (10, 1024)):
+    build(A._scatter_kernel, {}, dict(TOP_K=top_k, HAS_SHARED=True, BLOCK_M=128, CHUNK_PAD=chunk_pad, G_PAD=512,
+                                      TILE_C=32), 8)
 for bm, bn, bk, warps, stages in ((16, 32, 256, 4, 4), (128, 128, 64, 8, 3)):
     tiles = dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True, IEEE=False)
     build(X._gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf}, tiles, warps, stages)

@@ -1,25 +1,31 @@
 """Token alignment: group token-slots by expert into blocks of BLOCK_M rows, on the device, no host sync.
 
-A *slot* is one (token, pick) pair, numbered ``token * slots + j``. Each slot belongs to a *group*:
-its local expert (through ``expert_map``; -1 = held elsewhere, dropped), or, for the shared-expert
-slot that :func:`kernels_triton.moe.routing.route` appends, group ``E_local``. The result lists the
-slots of group 0, then group 1, ..., each group padded to a multiple of BLOCK_M, in slot order
-within a group (a stable counting sort: the layout itself is deterministic).
+A *slot* is one (token, pick) pair, numbered ``token * SLOTS + j`` with SLOTS = TOP_K (+ 1 for the
+shared expert). Each routed slot (``j < TOP_K``) belongs to a *group*: its local expert (through
+``expert_map``; -1 = held elsewhere, dropped). The shared-expert slot that
+:func:`kernels_triton.moe.routing.route` appends (``j = TOP_K``) belongs to group ``E_local``. The
+result lists the slots of group 0, then group 1, ..., each group padded to a multiple of BLOCK_M, in
+slot order within a group (a stable counting sort: the layout itself is deterministic).
 
 Block ``b`` belongs to group ``block_group[b]``; blocks ``>= total_blocks`` are unused; row ``r``
 of group ``g`` is a real slot when ``r - group_start[g] < group_count[g]``.
 
+Only the routed slots are counted and sorted (TOP_K per token: power-of-two chunks and histograms
+of pow2(E_local) bins). The shared group needs neither: every token has exactly one shared slot, so
+it is the last group, count M, its row ``t`` holding slot ``t * SLOTS + TOP_K``; the programs that
+own a token write its row there once the routed groups' total is known.
+
 Two ways to get there:
 
-- up to SINGLE_CHUNK_MAX slots (decode), one program: histogram, padded starts, a sort of the
-  (group, slot) keys, each key placed at its group's base plus its sorted position. For
+- up to SINGLE_CHUNK_MAX routed slots (decode), one program: histogram, padded starts, a sort of
+  the (group, slot) keys, each key placed at its group's base plus its sorted position. For
   ``moe_block`` the same program first routes the tokens (:func:`route_and_align`).
 - beyond, two launches over chunks of whole tokens (each a few route tiles, at most
-  CHUNK_SLOTS_MAX slots, at most ~MAX_CHUNKS chunks): count (for ``moe_block`` it routes the
+  CHUNK_SLOTS_MAX routed slots, at most ~MAX_CHUNKS chunks): count (for ``moe_block`` it routes the
   chunk's tokens first, then stores the chunk's histogram), and scatter: each program sums every
   chunk's histogram itself (group totals -> padded starts, earlier chunks -> its offset in each
   group), then sorts its chunk's keys like the single program. The redundant sums cost
-  ``n_chunks^2 * G`` L2 reads in all (~130 MB at 256 chunks x 513 groups) but save the launches
+  ``n_chunks^2 * E_local`` L2 reads in all (~67 MB at 256 chunks x 256 groups) but save the launches
   of a separate scan, and on a host with slow launches a launch costs more than that.
 """
 
@@ -33,13 +39,13 @@ import triton
 import triton.language as tl
 
 from kernels_triton._launch import DirectLauncher, aligned16
-from kernels_triton.moe.routing import _route_tile, cdiv, pow2, route_launch_params, route_warps
+from kernels_triton.moe.routing import _route_tile, cdiv, gate_logits, pow2, route_launch_params, route_warps
 
-SINGLE_CHUNK_MAX = 1024  # slots handled by one fused program
+SINGLE_CHUNK_MAX = 1024  # routed slots handled by one fused program
 FUSED_ROUTE_MAX_M = 2  # tokens whose routing runs in the same program as their alignment (H200: 16 tokens took
 # 10.6 / 36 us in one program vs 5.6 / 8.2 us spread over programs; one token 3.9 / 5.7 us vs 4.8 / 7.0 us)
 MAX_CHUNKS = 256  # the multi-chunk path grows its chunks beyond this many
-CHUNK_SLOTS_MAX = 1024  # ... but keeps each chunk's slots within one sort of this size
+CHUNK_SLOTS_MAX = 1024  # ... but keeps each chunk's routed slots within one sort of this size
 SCAN_TILE = 16384  # elements of the [chunks, groups] tiles each scatter program sums
 _NO_KEY = tl.constexpr(0x7FFFFFFF)  # sorts after every real (group, index) key
 
@@ -60,110 +66,150 @@ class Alignment:
 
 
 @triton.jit
-def _slot_groups(ids_ptr, map_ptr, offs, in_range, E_GLOBAL, E_LOCAL, HAS_MAP: tl.constexpr,
-                 HAS_SHARED: tl.constexpr):
-    """Group of each slot: local expert id, E_LOCAL for the shared slot (id == E_GLOBAL), -1 if dropped."""
-    ids = tl.load(ids_ptr + offs, mask=in_range, other=-1).to(tl.int32)
+def _routed_slot(q, TOP_K: tl.constexpr, SLOTS: tl.constexpr):
+    """Slot number of routed slot ``q`` (token ``q // TOP_K``, pick ``q % TOP_K``) in rows of SLOTS slots."""
+    slot = q
+    if SLOTS != TOP_K:
+        slot = (q // TOP_K) * SLOTS + q % TOP_K
+    return slot
+
+
+@triton.jit
+def _slot_groups(ids_ptr, map_ptr, slots, in_range, E_GLOBAL, HAS_MAP: tl.constexpr):
+    """Group of each routed slot: its local expert id, -1 if dropped (held elsewhere or out of range)."""
+    ids = tl.load(ids_ptr + slots, mask=in_range, other=-1).to(tl.int32)
     routed = in_range & (ids >= 0) & (ids < E_GLOBAL)
     if HAS_MAP:
         group = tl.load(map_ptr + ids, mask=routed, other=-1).to(tl.int32)
     else:
         group = tl.where(routed, ids, -1)
-    if HAS_SHARED:
-        group = tl.where(in_range & (ids == E_GLOBAL), E_LOCAL, group)
     return group
 
 
 @triton.jit
+def _store_group_sizes(group_start_ptr, group_count_ptr, total_blocks_ptr, start, totals, n_blocks, M, E_LOCAL,
+                       HAS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr):
+    """group_start / group_count of the routed groups ([G_PAD] vectors), the shared group's (last: count M,
+    after every routed block), and total_blocks."""
+    gs = tl.arange(0, start.shape[0])
+    tl.store(group_start_ptr + gs, start, mask=gs < E_LOCAL)
+    tl.store(group_count_ptr + gs, totals, mask=gs < E_LOCAL)
+    blocks = tl.sum(n_blocks, 0)
+    if HAS_SHARED:
+        tl.store(group_start_ptr + E_LOCAL, blocks * BLOCK_M)
+        tl.store(group_count_ptr + E_LOCAL, M)
+        blocks += (M + BLOCK_M - 1) // BLOCK_M
+    tl.store(total_blocks_ptr, blocks)
+
+
+@triton.jit
+def _place_shared(slot_group_ptr, sorted_ptr, block_group_ptr, tokens, token_ok, shared_start, E_LOCAL,
+                  TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The shared group's rows for ``tokens``: row shared_start + t holds slot t * SLOTS + TOP_K (group E_LOCAL)."""
+    slot = tokens * SLOTS + TOP_K
+    pos = shared_start + tokens
+    group = tl.zeros_like(tokens) + E_LOCAL
+    tl.store(slot_group_ptr + slot, group, mask=token_ok)
+    tl.store(sorted_ptr + pos, slot, mask=token_ok)
+    tl.store(block_group_ptr + pos // BLOCK_M, group, mask=token_ok)  # every row of a block writes the same value
+
+
+@triton.jit
 def _align_single(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
-                  group_count_ptr, total_blocks_ptr, n, G, E_GLOBAL, E_LOCAL, HAS_MAP: tl.constexpr,
-                  HAS_SHARED: tl.constexpr, N_PAD: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Align all n <= N_PAD slots in this one program."""
-    p = tl.arange(0, N_PAD)
-    in_range = p < n
-    group = _slot_groups(ids_ptr, map_ptr, p, in_range, E_GLOBAL, E_LOCAL, HAS_MAP, HAS_SHARED)
-    tl.store(slot_group_ptr + p, group, mask=in_range)
+                  group_count_ptr, total_blocks_ptr, M, E_GLOBAL, E_LOCAL, TOP_K: tl.constexpr,
+                  HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr, N_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                  BLOCK_M: tl.constexpr):
+    """Align the slots of all M tokens (M * TOP_K <= N_PAD routed ones, M <= N_PAD) in this one program."""
+    SLOTS: tl.constexpr = TOP_K + HAS_SHARED
+    q = tl.arange(0, N_PAD)
+    in_range = q < M * TOP_K
+    slot = _routed_slot(q, TOP_K, SLOTS)
+    group = _slot_groups(ids_ptr, map_ptr, slot, in_range, E_GLOBAL, HAS_MAP)
+    tl.store(slot_group_ptr + slot, group, mask=in_range)
     gs = tl.arange(0, G_PAD)
-    g_ok = gs < G
     totals = tl.histogram(tl.maximum(group, 0), G_PAD, mask=group >= 0)
     n_blocks = (totals + BLOCK_M - 1) // BLOCK_M
     start = (tl.cumsum(n_blocks, 0) - n_blocks) * BLOCK_M
-    tl.store(group_start_ptr + gs, start, mask=g_ok)
-    tl.store(group_count_ptr + gs, totals, mask=g_ok)
-    tl.store(total_blocks_ptr, tl.sum(n_blocks, 0))
+    _store_group_sizes(group_start_ptr, group_count_ptr, total_blocks_ptr, start, totals, n_blocks, M, E_LOCAL,
+                       HAS_SHARED, BLOCK_M)
     # sorted, the keys of group g occupy positions [lower_g, lower_g + count_g): slot at position q goes to
     # start_g + q - lower_g. base_g = start_g - lower_g goes through global memory so it can be read per key.
-    tl.store(base_ptr + gs, start - (tl.cumsum(totals, 0) - totals), mask=g_ok)
+    tl.store(base_ptr + gs, start - (tl.cumsum(totals, 0) - totals), mask=gs < E_LOCAL)
     tl.debug_barrier()
-    keys = tl.sort(tl.where(group >= 0, group * N_PAD + p, _NO_KEY))
+    keys = tl.sort(tl.where(group >= 0, group * N_PAD + q, _NO_KEY))
     real = keys != _NO_KEY
     g = keys // N_PAD
-    pos = p + tl.load(base_ptr + g, mask=real, other=0)
-    tl.store(sorted_ptr + pos, keys % N_PAD, mask=real)
+    pos = q + tl.load(base_ptr + g, mask=real, other=0)
+    tl.store(sorted_ptr + pos, _routed_slot(keys % N_PAD, TOP_K, SLOTS), mask=real)
     tl.store(block_group_ptr + pos // BLOCK_M, g, mask=real)  # every row of a block writes the same value
+    if HAS_SHARED:
+        _place_shared(slot_group_ptr, sorted_ptr, block_group_ptr, q, q < M, tl.sum(n_blocks, 0) * BLOCK_M,
+                      E_LOCAL, TOP_K, SLOTS, BLOCK_M)
 
 
 @triton.jit
 def _align_single_kernel(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
-                         group_count_ptr, total_blocks_ptr, n, G, E_GLOBAL, E_LOCAL, HAS_MAP: tl.constexpr,
-                         HAS_SHARED: tl.constexpr, N_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                         group_count_ptr, total_blocks_ptr, M, E_GLOBAL, E_LOCAL, TOP_K: tl.constexpr,
+                         HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr, N_PAD: tl.constexpr, G_PAD: tl.constexpr,
                          BLOCK_M: tl.constexpr):
     _align_single(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
-                  group_count_ptr, total_blocks_ptr, n, G, E_GLOBAL, E_LOCAL, HAS_MAP, HAS_SHARED, N_PAD, G_PAD,
+                  group_count_ptr, total_blocks_ptr, M, E_GLOBAL, E_LOCAL, TOP_K, HAS_MAP, HAS_SHARED, N_PAD, G_PAD,
                   BLOCK_M)
 
 
 @triton.jit
-def _route_align_kernel(logits_ptr, weights_ptr, ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr,
-                        block_group_ptr, group_start_ptr, group_count_ptr, total_blocks_ptr, M, G,
-                        E_GLOBAL, E_LOCAL, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                        E_PAD: tl.constexpr, ROWS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
+def _route_align_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr,
+                        block_group_ptr, group_start_ptr, group_count_ptr, total_blocks_ptr, M, E_GLOBAL, E_LOCAL,
+                        N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                        ROWS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
                         HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr, N_PAD: tl.constexpr,
                         G_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """Decode: route the M tokens, then align their slots, in one program (one launch fewer)."""
     for r0 in range(0, M, ROWS):
-        _route_tile(logits_ptr, weights_ptr, ids_ptr, r0 + tl.arange(0, ROWS), M, E_GLOBAL, E_GLOBAL, N_SPLITS,
-                    TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
+        _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, r0 + tl.arange(0, ROWS), M, E_GLOBAL, E_GLOBAL,
+                    N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
     tl.debug_barrier()  # the ids just stored are read back by other threads of this program
     _align_single(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
-                  group_count_ptr, total_blocks_ptr, M * (TOP_K + HAS_SHARED), G, E_GLOBAL, E_LOCAL, HAS_MAP,
-                  HAS_SHARED, N_PAD, G_PAD, BLOCK_M)
+                  group_count_ptr, total_blocks_ptr, M, E_GLOBAL, E_LOCAL, TOP_K, HAS_MAP, HAS_SHARED, N_PAD, G_PAD,
+                  BLOCK_M)
 
 
 @triton.jit
-def _count_kernel(logits_ptr, weights_ptr, ids_ptr, map_ptr, slot_group_ptr, counts_ptr, M, G, E_GLOBAL, E_LOCAL,
-                  ROUTE: tl.constexpr, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+def _count_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, map_ptr, slot_group_ptr, counts_ptr, M, E_GLOBAL,
+                  E_LOCAL, ROUTE: tl.constexpr, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   E_PAD: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, RENORMALIZE: tl.constexpr,
                   HAS_GATE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr,
                   CHUNK_PAD: tl.constexpr, G_PAD: tl.constexpr):
-    """One chunk of ROWS * TILES tokens: (route them,) group their slots, store the chunk's histogram.
+    """One chunk of ROWS * TILES tokens: (route them,) group their routed slots, store the chunk's histogram.
 
     With ROUTE the ids come from the logits (as :func:`_route_tile`); without, ``ids_ptr`` holds
-    them (TOP_K = slots per token).
+    them (``[M, TOP_K + HAS_SHARED]``). The histogram table is ``[chunks, E_LOCAL]``.
     """
     chunk = tl.program_id(0)
     SLOTS: tl.constexpr = TOP_K + HAS_SHARED
     first = chunk * (ROWS * TILES)
     if ROUTE:
         for t in range(TILES):
-            _route_tile(logits_ptr, weights_ptr, ids_ptr, first + t * ROWS + tl.arange(0, ROWS), M, E_GLOBAL,
-                        E_GLOBAL, N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
+            _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, first + t * ROWS + tl.arange(0, ROWS), M,
+                        E_GLOBAL, E_GLOBAL, N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
         tl.debug_barrier()  # the ids just stored are read back by other threads of this program
-    p = tl.arange(0, CHUNK_PAD)
-    offs = first * SLOTS + p
-    in_range = (p < ROWS * TILES * SLOTS) & (offs < M * SLOTS)
-    group = _slot_groups(ids_ptr, map_ptr, offs, in_range, E_GLOBAL, E_LOCAL, HAS_MAP, HAS_SHARED)
-    tl.store(slot_group_ptr + offs, group, mask=in_range)
+    q = tl.arange(0, CHUNK_PAD)
+    in_range = (q < ROWS * TILES * TOP_K) & (first * TOP_K + q < M * TOP_K)
+    slot = first * SLOTS + _routed_slot(q, TOP_K, SLOTS)
+    group = _slot_groups(ids_ptr, map_ptr, slot, in_range, E_GLOBAL, HAS_MAP)
+    tl.store(slot_group_ptr + slot, group, mask=in_range)
     gs = tl.arange(0, G_PAD)
     hist = tl.histogram(tl.maximum(group, 0), G_PAD, mask=group >= 0)
-    tl.store(counts_ptr + chunk * G + gs, hist, mask=gs < G)
+    tl.store(counts_ptr + chunk * E_LOCAL + gs, hist, mask=gs < E_LOCAL)
 
 
 @triton.jit
 def _scatter_kernel(slot_group_ptr, counts_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
-                    group_count_ptr, total_blocks_ptr, n, n_chunks, G, CHUNK_SLOTS, BLOCK_M: tl.constexpr,
-                    CHUNK_PAD: tl.constexpr, G_PAD: tl.constexpr, TILE_C: tl.constexpr):
-    """Place one chunk's slots: its own scan of the chunk histograms, then a sort of the chunk's keys.
+                    group_count_ptr, total_blocks_ptr, M, n_chunks, E_LOCAL, CHUNK_TOKENS, TOP_K: tl.constexpr,
+                    HAS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK_PAD: tl.constexpr, G_PAD: tl.constexpr,
+                    TILE_C: tl.constexpr):
+    """Place one chunk's slots: its own scan of the chunk histograms, a sort of the chunk's routed keys, then
+    its tokens' rows of the shared group.
 
     Every program sums the histograms of all chunks (group totals -> padded starts) and of the
     chunks before it (its offset inside each group); no separate scan launch. Slot at sorted
@@ -171,34 +217,38 @@ def _scatter_kernel(slot_group_ptr, counts_ptr, base_ptr, sorted_ptr, block_grou
     lower groups).
     """
     chunk = tl.program_id(0)
+    SLOTS: tl.constexpr = TOP_K + HAS_SHARED
     gs = tl.arange(0, G_PAD)
-    g_ok = gs < G
+    g_ok = gs < E_LOCAL
     totals = tl.zeros((G_PAD,), dtype=tl.int32)
     before = tl.zeros((G_PAD,), dtype=tl.int32)
     for c0 in range(0, n_chunks, TILE_C):
         cs = c0 + tl.arange(0, TILE_C)
-        tile = tl.load(counts_ptr + cs[:, None] * G + gs[None, :], mask=(cs < n_chunks)[:, None] & g_ok[None, :],
-                       other=0)
+        tile = tl.load(counts_ptr + cs[:, None] * E_LOCAL + gs[None, :],
+                       mask=(cs < n_chunks)[:, None] & g_ok[None, :], other=0)
         totals += tl.sum(tile, axis=0)
         before += tl.sum(tl.where((cs < chunk)[:, None], tile, 0), axis=0)
     n_blocks = (totals + BLOCK_M - 1) // BLOCK_M
     start = (tl.cumsum(n_blocks, 0) - n_blocks) * BLOCK_M
     if chunk == 0:
-        tl.store(group_start_ptr + gs, start, mask=g_ok)
-        tl.store(group_count_ptr + gs, totals, mask=g_ok)
-        tl.store(total_blocks_ptr, tl.sum(n_blocks, 0))
-    own = tl.load(counts_ptr + chunk * G + gs, mask=g_ok, other=0)
-    tl.store(base_ptr + chunk * G + gs, start + before - (tl.cumsum(own, 0) - own), mask=g_ok)
+        _store_group_sizes(group_start_ptr, group_count_ptr, total_blocks_ptr, start, totals, n_blocks, M, E_LOCAL,
+                           HAS_SHARED, BLOCK_M)
+    own = tl.load(counts_ptr + chunk * E_LOCAL + gs, mask=g_ok, other=0)
+    tl.store(base_ptr + chunk * E_LOCAL + gs, start + before - (tl.cumsum(own, 0) - own), mask=g_ok)
     tl.debug_barrier()  # base is read back per key by other threads
-    p = tl.arange(0, CHUNK_PAD)
-    offs = chunk * CHUNK_SLOTS + p
-    group = tl.load(slot_group_ptr + offs, mask=(p < CHUNK_SLOTS) & (offs < n), other=-1)
-    keys = tl.sort(tl.where(group >= 0, group * CHUNK_PAD + p, _NO_KEY))
+    first = chunk * CHUNK_TOKENS
+    q = tl.arange(0, CHUNK_PAD)
+    in_range = (q < CHUNK_TOKENS * TOP_K) & (first * TOP_K + q < M * TOP_K)
+    group = tl.load(slot_group_ptr + first * SLOTS + _routed_slot(q, TOP_K, SLOTS), mask=in_range, other=-1)
+    keys = tl.sort(tl.where(group >= 0, group * CHUNK_PAD + q, _NO_KEY))
     real = keys != _NO_KEY
     g = keys // CHUNK_PAD
-    pos = p + tl.load(base_ptr + chunk * G + g, mask=real, other=0)
-    tl.store(sorted_ptr + pos, chunk * CHUNK_SLOTS + keys % CHUNK_PAD, mask=real)
+    pos = q + tl.load(base_ptr + chunk * E_LOCAL + g, mask=real, other=0)
+    tl.store(sorted_ptr + pos, first * SLOTS + _routed_slot(keys % CHUNK_PAD, TOP_K, SLOTS), mask=real)
     tl.store(block_group_ptr + pos // BLOCK_M, g, mask=real)  # every row of a block writes the same value
+    if HAS_SHARED:
+        _place_shared(slot_group_ptr, sorted_ptr, block_group_ptr, first + q, (q < CHUNK_TOKENS) & (first + q < M),
+                      tl.sum(n_blocks, 0) * BLOCK_M, E_LOCAL, TOP_K, SLOTS, BLOCK_M)
 
 
 # launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
@@ -226,62 +276,65 @@ def _outputs(n: int, G: int, block_m: int, dev) -> Alignment:  # noqa: ANN001
 
 
 @functools.lru_cache(maxsize=1024)
-def chunking(M: int, slots: int, rows: int, max_chunks: int, chunk_slots_max: int) -> tuple[int, int]:
+def chunking(M: int, top_k: int, rows: int, max_chunks: int, chunk_slots_max: int) -> tuple[int, int]:
     """(route tiles of ``rows`` tokens per chunk, chunks) for the multi-chunk path.
 
     Chunks grow with M so that there are at most ~max_chunks of them (each scatter program reads
-    every chunk's histogram), and stay within chunk_slots_max slots (one program sorts a chunk).
+    every chunk's histogram), and keep within chunk_slots_max routed slots (one program sorts a chunk).
     """
     tiles = 1
-    while cdiv(M, rows * tiles) > max_chunks and rows * tiles * 2 * slots <= chunk_slots_max:
+    while cdiv(M, rows * tiles) > max_chunks and rows * tiles * 2 * top_k <= chunk_slots_max:
         tiles *= 2
     return tiles, cdiv(M, rows * tiles)
 
 
-def _align_chunks(al: Alignment, M: int, slots: int, *, route: dict | None, logits: torch.Tensor | None,
-                  weights: torch.Tensor | None, ids: torch.Tensor, expert_map: torch.Tensor | None,
-                  e_global: int, n_local: int, shared: bool = False) -> None:
+def _align_chunks(al: Alignment, M: int, top_k: int, shared: bool, *, route: dict | None,
+                  logits: torch.Tensor | None, gate: torch.Tensor | None, weights: torch.Tensor | None,
+                  ids: torch.Tensor, expert_map: torch.Tensor | None, e_global: int, n_local: int) -> None:
     """Two launches over chunks of tokens: (route +) count, then scatter with its own scan."""
-    G, dev = al.n_groups, ids.device
-    rows = route["ROWS"] if route is not None else max(1, min(16, CHUNK_SLOTS_MAX // max(slots, 1)))
-    tiles, n_chunks = chunking(M, slots, rows, MAX_CHUNKS, CHUNK_SLOTS_MAX)
-    chunk_slots = rows * tiles * slots
-    chunk_pad, g_pad = _pow2(chunk_slots), _pow2(G)
-    counts = torch.empty(2, aligned16(n_chunks * G), dtype=torch.int32, device=dev)  # two [n_chunks, G] tables
+    dev = ids.device
+    rows = route["ROWS"] if route is not None else max(1, min(16, CHUNK_SLOTS_MAX // max(top_k, 1)))
+    tiles, n_chunks = chunking(M, top_k, rows, MAX_CHUNKS, CHUNK_SLOTS_MAX)
+    chunk_tokens = rows * tiles
+    chunk_pad, g_pad = _pow2(chunk_tokens * top_k), _pow2(n_local)
+    counts = torch.empty(2, aligned16(n_chunks * n_local), dtype=torch.int32, device=dev)  # two [n_chunks, E_local]
     routed = route is not None
     if not routed:
-        route = dict(N_SPLITS=1, TOP_K=slots - int(shared), K_PAD=_pow2(slots, 2), E_PAD=16, ROWS=rows,
-                     RENORMALIZE=False, HAS_GATE=False, HAS_SHARED=shared)
+        route = dict(N_SPLITS=1, TOP_K=top_k, K_PAD=_pow2(top_k, 2), E_PAD=16, ROWS=rows, RENORMALIZE=False,
+                     HAS_GATE=False, HAS_SHARED=shared)
         logits = weights = ids
     _launch_count[(n_chunks,)](
-        logits, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, counts[0], M, G,
-        e_global, n_local, ROUTE=routed, TILES=tiles, HAS_MAP=expert_map is not None, CHUNK_PAD=chunk_pad, G_PAD=g_pad,
-        num_warps=max(4, route_warps(route)) if routed else 4, **route)
+        logits, gate if gate is not None else logits, weights, ids, expert_map if expert_map is not None else ids,
+        al.slot_group, counts[0], M, e_global, n_local, ROUTE=routed, TILES=tiles, HAS_MAP=expert_map is not None,
+        CHUNK_PAD=chunk_pad, G_PAD=g_pad, num_warps=max(4, route_warps(route)) if routed else 4, **route)
     _launch_scatter[(n_chunks,)](
         al.slot_group, counts[0], counts[1], al.sorted_slots, al.block_group, al.group_start, al.group_count,
-        al.total_blocks, M * slots, n_chunks, G, chunk_slots, BLOCK_M=al.block_m, CHUNK_PAD=chunk_pad, G_PAD=g_pad,
-        TILE_C=max(1, SCAN_TILE // g_pad), num_warps=8 if chunk_pad * g_pad > (1 << 16) else 4)
+        al.total_blocks, M, n_chunks, n_local, chunk_tokens, TOP_K=top_k, HAS_SHARED=shared, BLOCK_M=al.block_m,
+        CHUNK_PAD=chunk_pad, G_PAD=g_pad, TILE_C=max(1, SCAN_TILE // g_pad),
+        num_warps=8 if chunk_pad * g_pad > (1 << 16) else 4)
 
 
 def align(ids: torch.Tensor, *, n_local: int, block_m: int, expert_map: torch.Tensor | None = None,
           shared: bool = False) -> Alignment:
-    """Group the slots of ``ids`` ``[M, slots]`` (global ids; E_global = shared id) by local expert."""
+    """Group the slots of ``ids`` ``[M, slots]`` (global expert ids) by local expert.
+
+    ``shared``: the last column is the shared expert's slot (its id is not read; group ``n_local``).
+    """
     dev = ids.device
     M, slots = ids.shape
-    n = M * slots
+    top_k = slots - int(shared)
     e_global = expert_map.shape[0] if expert_map is not None else n_local
-    G = n_local + int(shared)
-    al = _outputs(n, G, block_m, dev)
-    if n <= SINGLE_CHUNK_MAX:
-        base = torch.empty(G, dtype=torch.int32, device=dev)
+    al = _outputs(M * slots, n_local + int(shared), block_m, dev)
+    if M * top_k <= SINGLE_CHUNK_MAX:
+        base = torch.empty(max(n_local, 1), dtype=torch.int32, device=dev)
         _launch_align_single[(1,)](
             ids, expert_map if expert_map is not None else ids, al.slot_group, base, al.sorted_slots, al.block_group,
-            al.group_start, al.group_count, al.total_blocks, n, G, e_global, n_local,
-            HAS_MAP=expert_map is not None, HAS_SHARED=bool(shared), N_PAD=_pow2(n), G_PAD=_pow2(G),
+            al.group_start, al.group_count, al.total_blocks, M, e_global, n_local, TOP_K=top_k,
+            HAS_MAP=expert_map is not None, HAS_SHARED=bool(shared), N_PAD=_pow2(M * top_k), G_PAD=_pow2(n_local),
             BLOCK_M=block_m, num_warps=4)
         return al
-    _align_chunks(al, M, slots, route=None, logits=None, weights=None, ids=ids, expert_map=expert_map,
-                  e_global=e_global, n_local=n_local, shared=bool(shared))
+    _align_chunks(al, M, top_k, bool(shared), route=None, logits=None, gate=None, weights=None, ids=ids,
+                  expert_map=expert_map, e_global=e_global, n_local=n_local)
     return al
 
 
@@ -290,26 +343,28 @@ def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize
                     shared: bool) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """Routing of ``logits`` (see :func:`kernels_triton.moe.routing.route`) and the alignment of its picks.
 
-    Decode-sized batches do both in one program; larger ones in two launches (route + count, scatter).
+    ``logits``: from :func:`kernels_triton.moe.routing.router_logits` (with ``gate``, the gate partials
+    follow it). Decode-sized batches do both in one program; larger ones in two launches (route + count,
+    scatter).
     """
     M = logits.shape[-2]
     slots = top_k + int(shared)
-    n = M * slots
     dev = logits.device
-    G = n_local + int(shared)
     weights = torch.empty(M, slots, dtype=torch.float32, device=dev)
     ids = torch.empty(M, slots, dtype=torch.int32, device=dev)
-    al = _outputs(n, G, block_m, dev)
-    one_program = M <= FUSED_ROUTE_MAX_M and n <= SINGLE_CHUNK_MAX
+    al = _outputs(M * slots, n_local + int(shared), block_m, dev)
+    gate_part = gate_logits(logits, n_splits) if gate else logits
+    one_program = M <= FUSED_ROUTE_MAX_M and M * top_k <= SINGLE_CHUNK_MAX
     route = dict(route_launch_params(M, n_experts, top_k, one_program), N_SPLITS=n_splits,
                  RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate), HAS_SHARED=bool(shared))
     if not one_program:
-        _align_chunks(al, M, slots, route=route, logits=logits, weights=weights, ids=ids, expert_map=expert_map,
-                      e_global=n_experts, n_local=n_local)
+        _align_chunks(al, M, top_k, bool(shared), route=route, logits=logits, gate=gate_part, weights=weights,
+                      ids=ids, expert_map=expert_map, e_global=n_experts, n_local=n_local)
         return weights, ids, al
-    base = torch.empty(G, dtype=torch.int32, device=dev)
+    base = torch.empty(max(n_local, 1), dtype=torch.int32, device=dev)
     _launch_route_align[(1,)](
-        logits, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, base, al.sorted_slots,
-        al.block_group, al.group_start, al.group_count, al.total_blocks, M, G, n_experts, n_local,
-        HAS_MAP=expert_map is not None, N_PAD=_pow2(n), G_PAD=_pow2(G), BLOCK_M=block_m, num_warps=4, **route)
+        logits, gate_part, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, base,
+        al.sorted_slots, al.block_group, al.group_start, al.group_count, al.total_blocks, M, n_experts, n_local,
+        HAS_MAP=expert_map is not None, N_PAD=_pow2(M * top_k), G_PAD=_pow2(n_local), BLOCK_M=block_m, num_warps=4,
+        **route)
     return weights, ids, al

@@ -14,42 +14,68 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._launch import DirectLauncher
+from kernels_triton._launch import DirectLauncher, aligned16
 
 ROUTE_TILE = 4096  # elements of the [rows, E_PAD] logits tile one route program holds
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, M, H, E, K_PER_SPLIT,
-                          HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """out[s, m, n] = sum over this split's slice of H of x[m, :] * W[n, :], W = router rows then the gate row.
+def _router_dots(x_ptr, w_ptr, gate_ptr, rows, cols, M, H, E, k_first, K_PER_SPLIT, WITH_GATE: tl.constexpr,
+                 BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """(x[rows] . W[cols] ``[BLOCK_M, BLOCK_N]``, x[rows] . gate ``[BLOCK_M]``) over H[k_first : + K_PER_SPLIT].
 
-    Column tiles are the fastest grid axis: the programs sharing a tile of x run together and read
-    it from L2 (x-major order re-read x from DRAM once per column tile: 4x at E = 512).
+    WITH_GATE adds a second, [BLOCK_K, 16] dot on the x tile already loaded: the gate vector in
+    column 0, zeros elsewhere (16 is the narrowest tensor-core tile); without, the gate sums are 0.
     """
-    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    n_out = E + HAS_GATE
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < E
-    ks = pid_s * K_PER_SPLIT + tl.arange(0, BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    ks = k_first + tl.arange(0, BLOCK_K)
+    gate_col = tl.arange(0, 16)
+    acc = tl.zeros((rows.shape[0], cols.shape[0]), dtype=tl.float32)
+    gate_acc = tl.zeros((rows.shape[0], 16), dtype=tl.float32)
     for k0 in range(0, K_PER_SPLIT, BLOCK_K):
         kk = ks + k0
         k_ok = kk < H
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * H + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
                     other=0.0)
         b = tl.load(w_ptr + cols[None, :] * H + kk[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        if HAS_GATE:  # column E is the shared expert's gate
-            b += tl.load(gate_ptr + kk[:, None] + 0 * cols[None, :], mask=(cols == E)[None, :] & k_ok[:, None],
-                         other=0.0)
         if IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)
-    out = out_ptr + pid_s * M * n_out + rows[:, None] * n_out + cols[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & (cols < n_out)[None, :])
+        if WITH_GATE:
+            g = tl.load(gate_ptr + kk[:, None] + 0 * gate_col[None, :], mask=k_ok[:, None] & (gate_col == 0)[None, :],
+                        other=0.0)
+            if IEEE:
+                gate_acc = tl.dot(a, g, gate_acc, input_precision="ieee")
+            else:
+                gate_acc = tl.dot(a, g, gate_acc)
+    return acc, tl.sum(gate_acc, axis=1)  # columns 1.. of gate_acc are zeros
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, K_PER_SPLIT,
+                          HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """out[s, m, n] = x[m] . W[n] and gate_out[s, m] = x[m] . gate over split s's slice of H.
+
+    The column-tile-0 programs also compute the gate logits, from the x tiles they load anyway (a
+    branch outside the K loop: each variant of the loop stays branch-free for the pipeliner).
+    Column tiles are the fastest grid axis: the programs sharing a tile of x run together and read
+    it from L2 (x-major order re-read x from DRAM once per column tile: 4x at E = 512).
+    """
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_first = pid_s * K_PER_SPLIT
+    if HAS_GATE and pid_n == 0:
+        acc, gate = _router_dots(x_ptr, w_ptr, gate_ptr, rows, cols, M, H, E, k_first, K_PER_SPLIT, True, BLOCK_K,
+                                 IEEE)
+        tl.store(gate_out_ptr + pid_s * M + rows, gate, mask=rows < M)
+    else:
+        acc, _ = _router_dots(x_ptr, w_ptr, gate_ptr, rows, cols, M, H, E, k_first, K_PER_SPLIT, False, BLOCK_K,
+                              IEEE)
+    out = out_ptr + pid_s * M * E + rows[:, None] * E + cols[None, :]
+    tl.store(out, acc, mask=(rows < M)[:, None] & (cols < E)[None, :])
 
 
 @triton.jit
@@ -83,24 +109,23 @@ def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENOR
 
 
 @triton.jit
-def _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS: tl.constexpr,
+def _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS: tl.constexpr,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                 HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Route the rows ``rows``: sum the split-K partials in order, pick top-k, store; append the shared slot.
 
-    logits ``[N_SPLITS, M, E + HAS_GATE]``; outputs ``[M, TOP_K + HAS_SHARED]``. The shared slot's
-    id is SHARED_ID and its weight sigmoid(gate logit) (1 without a gate). N_SPLITS is a constexpr
-    so the partial loads are unrolled and all in flight at once (a runtime loop waited on each).
+    logits ``[N_SPLITS, M, E]``, gate logits ``[N_SPLITS, M]``; outputs ``[M, TOP_K + HAS_SHARED]``. The
+    shared slot's id is SHARED_ID and its weight sigmoid(gate logit) (1 without a gate). N_SPLITS is a
+    constexpr so the partial loads are unrolled and all in flight at once (a runtime loop waited on each).
     """
-    n_in = E + HAS_GATE
     n_out = TOP_K + HAS_SHARED
     cols = tl.arange(0, E_PAD)
     row_ok = rows < M
-    ptrs = logits_ptr + rows[:, None].to(tl.int64) * n_in + cols[None, :]
+    ptrs = logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :]
     mask = row_ok[:, None] & (cols < E)[None, :]
     logits = tl.zeros((rows.shape[0], E_PAD), dtype=tl.float32)
     for s in tl.static_range(N_SPLITS):
-        logits += tl.load(ptrs + s * M * n_in, mask=mask, other=0.0).to(tl.float32)
+        logits += tl.load(ptrs + s * M * E, mask=mask, other=0.0).to(tl.float32)
     weights, ids = _top_k_rows(logits, cols, E, TOP_K, K_PAD, RENORMALIZE)
     slot = tl.arange(0, K_PAD)
     out = rows[:, None] * n_out + slot[None, :]
@@ -111,7 +136,7 @@ def _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLIT
         gate = tl.zeros((rows.shape[0],), dtype=tl.float32)
         if HAS_GATE:
             for s in tl.static_range(N_SPLITS):
-                gate += tl.load(logits_ptr + s * M * n_in + rows * n_in + E, mask=row_ok, other=0.0)
+                gate += tl.load(gate_ptr + s * M + rows, mask=row_ok, other=0.0)
             w_shared = tl.sigmoid(gate)
         else:
             w_shared = gate + 1.0
@@ -120,11 +145,11 @@ def _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLIT
 
 
 @triton.jit
-def _route_kernel(logits_ptr, weights_ptr, ids_ptr, M, E, SHARED_ID, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr,
-                  K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                  HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
+def _route_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, M, E, SHARED_ID, N_SPLITS: tl.constexpr,
+                  TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
+                  RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    _route_tile(logits_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS, TOP_K, K_PAD, E_PAD,
+    _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS, TOP_K, K_PAD, E_PAD,
                 RENORMALIZE, HAS_GATE, HAS_SHARED)
 
 
@@ -166,11 +191,20 @@ def route_warps(params: dict) -> int:
     return 8 if elements > ROUTE_TILE else max(1, min(4, elements // 512))
 
 
+def gate_logits(logits: torch.Tensor, n_splits: int) -> torch.Tensor:
+    """The gate partials ``[n_splits, M]`` that :func:`router_logits` stores after ``logits`` (same allocation)."""
+    M = logits.shape[-2]
+    return torch.as_strided(logits, (n_splits, M), (M, 1), logits.storage_offset() + aligned16(logits.numel()))
+
+
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int = 1, n_experts: int | None = None,
           gate: bool = False, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing of ``logits`` ``[n_splits, M, E + gate]`` (or ``[M, E]``); see :func:`_route_tile`."""
+    """Top-k routing of ``logits`` ``[n_splits, M, E]`` (or ``[M, E]``); see :func:`_route_tile`.
+
+    ``gate``: ``logits`` comes from :func:`router_logits` with a gate weight (the gate partials follow it).
+    """
     M = logits.shape[-2]
-    E = n_experts if n_experts is not None else logits.shape[-1] - int(gate)
+    E = n_experts if n_experts is not None else logits.shape[-1]
     slots = top_k + int(shared)
     weights = torch.empty(M, slots, dtype=torch.float32, device=logits.device)
     ids = torch.empty(M, slots, dtype=torch.int32, device=logits.device)
@@ -178,8 +212,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int 
         return weights, ids
     p = route_launch_params(M, E, top_k)
     _launch_route[(cdiv(M, p["ROWS"]),)](
-        logits, weights, ids, M, E, E, N_SPLITS=n_splits, RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate),
-        HAS_SHARED=bool(shared), num_warps=route_warps(p), **p)
+        logits, gate_logits(logits, n_splits) if gate else logits, weights, ids, M, E, E, N_SPLITS=n_splits,
+        RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate), HAS_SHARED=bool(shared), num_warps=route_warps(p), **p)
     return weights, ids
 
 
@@ -210,13 +244,22 @@ def router_launch(M: int, H: int, n_out: int) -> tuple[tuple[int, int, int], int
 
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
                   gate_weight: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-    """fp32 logits ``[n_splits, M, E (+1 for the gate)]`` as split-K partials; returns (partials, n_splits)."""
+    """fp32 split-K partials of the router logits ``[n_splits, M, E]``; returns (partials, n_splits).
+
+    With ``gate_weight`` the same allocation continues with the gate logits' partials ``[n_splits, M]``
+    (16-byte aligned; :func:`gate_logits` views them): the logits rows keep a stride of E (16-byte
+    aligned when E % 4 == 0, so their loads vectorise) and the GEMM tiles only E columns.
+    """
     M, H = x.shape
     E = router_weight.shape[0]
-    n_out = E + int(gate_weight is not None)
-    grid, k_per_split, launch = router_launch(M, H, n_out)
-    out = torch.empty(grid[2], M, n_out, dtype=torch.float32, device=x.device)
+    grid, k_per_split, launch = router_launch(M, H, E)
+    n_splits = grid[2]
+    n_logits = n_splits * M * E
+    buffer = torch.empty(aligned16(n_logits) + (n_splits * M if gate_weight is not None else 0), dtype=torch.float32,
+                         device=x.device)
+    out = buffer[:n_logits].view(n_splits, M, E)
+    gate_out = gate_logits(out, n_splits) if gate_weight is not None else out
     _launch_router_logits[grid](
-        x, router_weight, gate_weight if gate_weight is not None else router_weight, out, M, H, E, k_per_split,
-        HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32, **launch)
-    return out, grid[2]
+        x, router_weight, gate_weight if gate_weight is not None else router_weight, out, gate_out, M, H, E,
+        k_per_split, HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32, **launch)
+    return out, n_splits
