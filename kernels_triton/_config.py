@@ -21,7 +21,18 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger("qwen35.kernels_triton")
+
+
+@functools.cache
+def device_facts(device: torch.device) -> tuple[str, int, tuple[int, int]]:
+    """(name, multiprocessor count, capability); cached: asking the driver costs host time on every call."""
+    if device.type != "cuda":
+        return "cpu", 1, (0, 0)
+    props = torch.cuda.get_device_properties(device)
+    return props.name, props.multi_processor_count, (props.major, props.minor)
 
 
 def device_slug(name: str) -> str:

@@ -14,12 +14,16 @@ rows x kv heads x splits covers the GPU about twice (B=1 with 2 kv heads still f
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import triton
 import triton.language as tl
 
+from kernels_triton._config import device_facts
 from kernels_triton._launch import DirectLauncher, aligned16
+
+log = logging.getLogger("qwen35.kernels_triton")
 
 
 @triton.jit(do_not_specialize=["L", "blocks_per_split", "n_splits"])
@@ -112,8 +116,15 @@ _launch_merge = DirectLauncher(_decode_merge_kernel)
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+def _warn_unaligned_cache() -> None:
+    log.warning("attention_decode: k_cache / v_cache are not 16-byte aligned; they are copied on every call "
+                "(allocate the caches, or take views at 16-byte offsets, to avoid it)")
+
+
+def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
+    """A fresh (16-byte aligned) copy with the same strides, so the kernel's stride arguments still hold."""
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+    return out.copy_(t)
 
 
 def _pow2(n: int, lo: int = 1) -> int:
@@ -154,7 +165,7 @@ def attention_decode(
     elt = q.element_size()
     BN = cfg.pop("BN", 64 if elt * BD <= 512 else 32)
     dot_prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    per, n_splits = split_plan(B * KV, L, BN, _sm_count(q.device), cfg.pop("n_splits", None))
+    per, n_splits = split_plan(B * KV, L, BN, device_facts(q.device)[1], cfg.pop("n_splits", None))
     o = torch.empty(B, H, D, dtype=q.dtype, device=q.device)
     if B == 0:
         return o
@@ -167,6 +178,11 @@ def attention_decode(
         raise ValueError(f"unknown attention_decode config keys {sorted(cfg)}; accepted: BN, n_splits, num_warps, "
                          "num_stages")
     q = q.contiguous()
+    if q.data_ptr() & 15:  # a view at a 2-byte offset: pipelined copies from such views misread on an H200 (GDN)
+        q = q.clone()
+    if (k_cache.data_ptr() | v_cache.data_ptr()) & 15:
+        _warn_unaligned_cache()
+        k_cache, v_cache = _aligned_copy(k_cache), _aligned_copy(v_cache)
     _launch_split[(n_splits, B * KV)](
         q, k_cache, v_cache, slots, lengths, part, m_part, l_part,
         float(scale), L, k_cache.stride(0), k_cache.stride(1), per, n_splits,

@@ -71,6 +71,40 @@ def test_triton_matches_reference(dtype, tol, H, KV, D, plan):
     assert torch.equal(got[4], torch.zeros_like(got[4])), "a padded row gives zeros"
 
 
+def _offset_view(t: torch.Tensor) -> torch.Tensor:
+    """The same values in a view that starts one element (2 bytes at fp16) past a 16-byte boundary."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    view = flat[1:].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+def test_triton_unaligned_inputs(caplog):
+    """q and the caches as views at a 2-byte offset are read right (q realigned, caches copied with a warning)."""
+    _check_unaligned(caplog, "cuda" if GPU else "cpu")
+
+
+@pytest.mark.gpu
+def test_triton_unaligned_inputs_gpu(caplog):
+    """As above, in the GPU suite (which runs only gpu-marked tests): the H200 is where misreads were seen."""
+    _check_unaligned(caplog, "cuda")
+
+
+def _check_unaligned(caplog, device: str) -> None:
+    from kernels_triton import attention
+    from kernels_triton.attention import attention_decode
+
+    attention._warn_unaligned_cache.cache_clear()
+    d = _case(3, 4, 2, 40, 32, 4, lengths=[40, 7, 0], slots=[3, 0, 1], dtype=torch.float16, device=device)
+    want = attention_decode(**d, config={"BN": 16, "n_splits": 3})
+    shifted = dict(d, q=_offset_view(d["q"]), k_cache=_offset_view(d["k_cache"]), v_cache=_offset_view(d["v_cache"]))
+    assert shifted["q"].data_ptr() % 16 and shifted["k_cache"].data_ptr() % 16
+    with caplog.at_level("WARNING", logger="qwen35.kernels_triton"):
+        got = attention_decode(**shifted, config={"BN": 16, "n_splits": 3})
+    assert torch.equal(got, want)
+    assert any("not 16-byte aligned" in r.message for r in caplog.records)
+
+
 def test_split_plan_covers_the_cache():
     from kernels_triton.attention import split_plan
 

@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton import _config
+from kernels_triton._config import device_facts
 from kernels_triton._launch import DirectLauncher
 
 CHUNK = 64  # tokens per chunk; the kernels are written for 16 <= C <= 64 (inverse by 16-row blocks)
@@ -403,15 +404,6 @@ def grid_rows(rows: int) -> tuple[int, int]:
 def check_head_dims(K: int, V: int) -> None:
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"triton GDN kernels take head dims K, V <= {MAX_HEAD_DIM}; got K={K}, V={V}")
-
-
-@functools.cache
-def device_facts(device: torch.device) -> tuple[str, int, tuple[int, int]]:
-    """(name, multiprocessor count, capability); cached: asking the driver costs host time on every call."""
-    if device.type != "cuda":
-        return "cpu", 1, (0, 0)
-    props = torch.cuda.get_device_properties(device)
-    return props.name, props.multi_processor_count, (props.major, props.minor)
 
 
 def workspace_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
