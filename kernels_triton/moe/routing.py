@@ -218,8 +218,8 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int 
 
 
 @functools.lru_cache(maxsize=1024)
-def router_launch(M: int, H: int, n_out: int) -> tuple[tuple[int, int, int], int, dict]:
-    """(grid, K per split, constexprs + launch options) of the router GEMM for M tokens.
+def router_launch(M: int, H: int, E: int) -> tuple[tuple[int, int, int], int, dict]:
+    """(grid, K per split, constexprs + launch options) of the router GEMM for M tokens and E experts.
 
     Small M is a GEMV over the router weight: split H so that ~128 programs stream it (every split
     is one more partial the routing sums, so no more than that). Large M uses tensor-core tiles,
@@ -231,13 +231,13 @@ def router_launch(M: int, H: int, n_out: int) -> tuple[tuple[int, int, int], int
         block_m, block_n, block_k, warps, stages, target = 64, 64, 64, 4, 4, 128
     else:
         block_m, block_n, block_k, warps, stages, target = 128, 128, 64, 8, 3, 132
-    tiles = cdiv(M, block_m) * cdiv(n_out, block_n)
+    tiles = cdiv(M, block_m) * cdiv(E, block_n)
     n_splits = 1
     while tiles * n_splits < target and H // (n_splits * 2) >= block_k and n_splits < 16:
         n_splits *= 2
     k_per_split = cdiv(cdiv(H, n_splits), block_k) * block_k
     n_splits = cdiv(H, k_per_split)
-    grid = (cdiv(n_out, block_n), cdiv(M, block_m), n_splits)
+    grid = (cdiv(E, block_n), cdiv(M, block_m), n_splits)
     return grid, k_per_split, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
                                    num_stages=stages)
 
