@@ -88,6 +88,134 @@ def test_conv_rejects_wide_window():
         kt.causal_conv1d_prefill(torch.zeros(2, 4, device=DEV), torch.zeros(4, 9, device=DEV))
 
 
+# ----------------------------------------------------------------------------- conv1d, plane layout
+
+
+def _planes_ref(op, x, widths, T, w, b, pool, **kw):
+    """The reference on each plane of a flat plane-layout buffer, with that plane's channels of w, b and pool."""
+    outs, at, ch = [], 0, 0
+    for n in (n for n in widths if n):  # an empty plane holds nothing (and the reference takes no 0 channels)
+        plane = _cpu64(x.reshape(-1)[at:at + T * n].view(T, n))
+        outs.append(op(plane, _cpu64(w)[ch:ch + n], None if b is None else _cpu64(b)[ch:ch + n],
+                       conv_pool=pool[:, ch:ch + n], **kw).reshape(-1))
+        at, ch = at + T * n, ch + n
+    return torch.cat(outs)
+
+
+PLANE_CASES = [((24, 24, 40), 4), ((130, 20, 60), 4), ((16, 0, 48), 3), ((40, 24), 2), ((56,), 4)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("widths,W", PLANE_CASES)
+def test_conv_prefill_planes(widths, W, dtype):
+    """One launch over q | k | v planes equals the reference run plane by plane (varlen, lengths 0 and 1,
+    padding slot, sequences with and without history, channel blocks that do not divide the planes)."""
+    gen = torch.Generator().manual_seed(sum(widths) + W)
+    lens, D = [3, 0, 1, 9, 21, 2], sum(widths)
+    N, T = len(lens), sum(lens)
+    x = _rand(gen, T, D, dtype=dtype)  # memory read as planes [T, widths[p]] back to back
+    w, b = _rand(gen, D, W, dtype=dtype, scale=0.5), _rand(gen, D, dtype=dtype)
+    cu = cu_from_lens(lens, DEV)
+    pool = _rand(gen, N + 2, D, W - 1, dtype=dtype)
+    slots = torch.tensor([1, 6, -1, 0, 3, 4], dtype=torch.int32, device=DEV)
+    has_init = torch.tensor([True, True, True, False, True, True], device=DEV)
+    ours_pool, ref_pool = pool.clone(), _cpu64(pool)
+    y = kt.causal_conv1d_prefill(x, w, b, cu_seqlens=cu, conv_pool=ours_pool, conv_slots=slots,
+                                 has_initial_state=has_init, planes=widths)
+    ry = _planes_ref(ref.causal_conv1d_prefill, x, widths, T, w, b, ref_pool, cu_seqlens=cu.cpu(),
+                     conv_slots=slots.cpu(), has_initial_state=has_init.cpu())
+    assert y.shape == x.shape and y.dtype == dtype
+    assert_close(y.reshape(-1), ry, TOL[dtype], "conv output (planes)")
+    assert_close(ours_pool, ref_pool, TOL[dtype], "conv pool (planes)")
+    for s in (2, 5):
+        assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
+
+
+def test_conv_prefill_planes_single_sequence_without_pool():
+    gen = torch.Generator().manual_seed(5)
+    widths, T = (32, 32, 64), 19
+    x, w = _rand(gen, T, sum(widths)), _rand(gen, sum(widths), 4, scale=0.5)
+    y = kt.causal_conv1d_prefill(x, w, planes=widths)
+    outs, at, ch = [], 0, 0
+    for n in widths:
+        plane = _cpu64(x.reshape(-1)[at:at + T * n].view(T, n))
+        outs.append(ref.causal_conv1d_prefill(plane, _cpu64(w)[ch:ch + n]).reshape(-1))
+        at, ch = at + T * n, ch + n
+    assert_close(y.reshape(-1), torch.cat(outs), TOL[torch.float32], "conv output (planes, no pool)")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("widths,W", PLANE_CASES)
+def test_conv_update_planes(widths, W, dtype):
+    gen = torch.Generator().manual_seed(sum(widths) * W)
+    B, D = 4, sum(widths)
+    x, w, b = _rand(gen, B, D, dtype=dtype), _rand(gen, D, W, dtype=dtype, scale=0.5), _rand(gen, D, dtype=dtype)
+    pool = _rand(gen, 6, D, W - 1, dtype=dtype)
+    slots = torch.tensor([3, -1, 0, 5], dtype=torch.int32, device=DEV)
+    ours_pool, ref_pool = pool.clone(), _cpu64(pool)
+    y = kt.causal_conv1d_update(x, w, b, conv_pool=ours_pool, conv_slots=slots, planes=widths)
+    ry = _planes_ref(ref.causal_conv1d_update, x, widths, B, w, b, ref_pool, conv_slots=slots.cpu())
+    assert_close(y.reshape(-1), ry, TOL[dtype], "conv update output (planes)")
+    assert_close(ours_pool, ref_pool, TOL[dtype], "conv pool (planes)")
+    for s in (1, 2, 4):
+        assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
+
+
+def test_conv_planes_must_cover_the_channels():
+    x, w = torch.zeros(3, 8, device=DEV), torch.zeros(8, 4, device=DEV)
+    for bad in ((4, 3), (2, 2, 2, 2), (10, -2)):
+        with pytest.raises(ValueError, match="planes"):
+            kt.causal_conv1d_prefill(x, w, planes=bad)
+    with pytest.raises(ValueError, match="planes"):
+        kt.causal_conv1d_update(x, w, conv_pool=torch.zeros(2, 8, 3, device=DEV),
+                                conv_slots=torch.zeros(3, dtype=torch.int32, device=DEV), planes=(9,))
+
+
+_PLANES_BUILD = r'''
+import re
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kernels_triton import conv1d
+
+def sm90(kernel, consts, divisible):
+    """sm_90 PTX with pointers and the named ints 16-divisible (as Triton specialises them at run time)."""
+    names = kernel.arg_names
+    act = {n: "*bf16" for n in ("x_ptr", "y_ptr", "w_ptr", "bias_ptr", "pool_ptr")}
+    act.update(has_init_ptr="*i1")
+    sig = {n: "constexpr" if n in consts else act.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in divisible}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
+    return sorted(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))
+
+pre = dict(W=4, BT=16, BD=128, SEARCH_STEPS=6, VARLEN=True, SKIP_HEADS=True, HAS_BIAS=True, SILU=True)
+head = dict(W=4, BD=128, BH=4, VARLEN=True, HAS_INIT_FLAGS=True, HAS_BIAS=True, SILU=True)
+upd = dict(W=4, BD=256, BW=4, HAS_BIAS=True, SILU=True)
+for rows, planes, consts in ((conv1d._conv_prefill_kernel, conv1d._conv_prefill_planes_kernel, pre),
+                             (conv1d._conv_head_kernel, conv1d._conv_head_planes_kernel, head),
+                             (conv1d._conv_update_kernel, conv1d._conv_update_planes_kernel, upd)):
+    a, b = sm90(rows, consts, ("D",)), sm90(planes, consts, ("D", "P1", "P2"))
+    assert a == b, (rows.fn.__name__, a, b)
+print("built")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels for real")
+def test_plane_kernels_build_for_hopper_with_the_row_kernels_memory_accesses():
+    """The plane-layout conv kernels compile for sm_90 with the same global loads and stores (vector widths
+    included) as the row-layout ones, when the plane bounds are 16-divisible as in the model."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _PLANES_BUILD], capture_output=True, text=True, env=env, cwd=root,
+                          timeout=600)
+    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+
+
 # ----------------------------------------------------------------------------- norms
 
 
