@@ -31,19 +31,23 @@ def _cpu64(t):
 # ----------------------------------------------------------------------------- conv1d
 
 
+def _varlen_pool_case(gen, lens: list[int], D: int, W: int, dtype, bias: bool = True):
+    """x, w, b, cu, pool, slots, has_init for sequences of ``lens`` (slot -1 on the third: padding; the fourth
+    starts without history; pool slots 2 and 5 named by nobody)."""
+    T = sum(lens)
+    x, w = _rand(gen, T, D, dtype=dtype), _rand(gen, D, W, dtype=dtype, scale=0.5)
+    b = _rand(gen, D, dtype=dtype) if bias else None
+    pool = _rand(gen, len(lens) + 2, D, W - 1, dtype=dtype)
+    slots = torch.tensor([1, 6, -1, 0, 3, 4], dtype=torch.int32, device=DEV)
+    has_init = torch.tensor([True, True, True, False, True, True], device=DEV)
+    return x, w, b, cu_from_lens(lens, DEV), pool, slots, has_init
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("W,bias,activation", [(4, True, "silu"), (2, False, None), (1, True, "silu")])
 def test_conv_prefill_varlen_pool(W, bias, activation, dtype):
     gen = torch.Generator().manual_seed(W)
-    lens, D = [3, 0, 1, 9, 40, 2], 48
-    N, T = len(lens), sum(lens)
-    x = _rand(gen, T, D, dtype=dtype)
-    w = _rand(gen, D, W, dtype=dtype, scale=0.5)
-    b = _rand(gen, D, dtype=dtype) if bias else None
-    cu = cu_from_lens(lens, DEV)
-    pool = _rand(gen, N + 2, D, W - 1, dtype=dtype)
-    slots = torch.tensor([1, 6, -1, 0, 3, 4], dtype=torch.int32, device=DEV)
-    has_init = torch.tensor([True, True, True, False, True, True], device=DEV)
+    x, w, b, cu, pool, slots, has_init = _varlen_pool_case(gen, [3, 0, 1, 9, 40, 2], 48, W, dtype, bias)
     ours_pool, ref_pool = pool.clone(), _cpu64(pool)
     y = kt.causal_conv1d_prefill(x, w, b, cu_seqlens=cu, conv_pool=ours_pool, conv_slots=slots,
                                  has_initial_state=has_init, activation=activation)
@@ -111,14 +115,10 @@ def test_conv_prefill_planes(widths, W, dtype):
     """One launch over q | k | v planes equals the reference run plane by plane (varlen, lengths 0 and 1,
     padding slot, sequences with and without history, channel blocks that do not divide the planes)."""
     gen = torch.Generator().manual_seed(sum(widths) + W)
-    lens, D = [3, 0, 1, 9, 21, 2], sum(widths)
-    N, T = len(lens), sum(lens)
-    x = _rand(gen, T, D, dtype=dtype)  # memory read as planes [T, widths[p]] back to back
-    w, b = _rand(gen, D, W, dtype=dtype, scale=0.5), _rand(gen, D, dtype=dtype)
-    cu = cu_from_lens(lens, DEV)
-    pool = _rand(gen, N + 2, D, W - 1, dtype=dtype)
-    slots = torch.tensor([1, 6, -1, 0, 3, 4], dtype=torch.int32, device=DEV)
-    has_init = torch.tensor([True, True, True, False, True, True], device=DEV)
+    lens = [3, 0, 1, 9, 21, 2]
+    T = sum(lens)
+    # x's memory is read as planes [T, widths[p]] back to back
+    x, w, b, cu, pool, slots, has_init = _varlen_pool_case(gen, lens, sum(widths), W, dtype)
     ours_pool, ref_pool = pool.clone(), _cpu64(pool)
     y = kt.causal_conv1d_prefill(x, w, b, cu_seqlens=cu, conv_pool=ours_pool, conv_slots=slots,
                                  has_initial_state=has_init, planes=widths)
