@@ -44,9 +44,13 @@ def slot_pool(name: str, pool: object, *, ndim: int, dtypes: Sequence[torch.dtyp
     """A pool ``[num_slots, ...]``: each slot's block contiguous; the slot stride may be larger (a strided
     view into a bigger buffer, as vLLM's page-packed hybrid caches are), never smaller."""
     tensor(name, pool, ndim=ndim, dtypes=dtypes, device=device, contiguous=False)
-    block = pool[0] if pool.shape[0] else pool.new_empty(pool.shape[1:])
-    block_numel = block.numel()
-    if not block.is_contiguous() or (pool.shape[0] > 1 and pool.stride(0) < block_numel):
+    sizes, strides = pool.shape, pool.stride()
+    block_numel, contiguous = 1, True  # from sizes and strides: no view per call (host time on every layer)
+    for n, st in zip(reversed(sizes[1:]), reversed(strides[1:]), strict=True):
+        contiguous = contiguous and (n == 1 or st == block_numel)
+        block_numel *= n
+    contiguous = contiguous or block_numel == 0 or sizes[0] == 0
+    if not contiguous or (sizes[0] > 1 and strides[0] < block_numel):
         raise ValueError(f"{name} must hold each slot's block contiguously with slot stride >= {block_numel} "
                          f"(shape {tuple(pool.shape)}, stride {pool.stride()})")
 
@@ -57,7 +61,13 @@ def optional(name: str, t: object, **kw) -> torch.Tensor | None:
 
 def shape(name: str, t: torch.Tensor, expected: Sequence[int | None]) -> None:
     """Check a shape; ``None`` entries are free."""
-    ok = t.dim() == len(expected) and all(e is None or e == s for s, e in zip(t.shape, expected, strict=False))
+    sizes = t.shape
+    ok = len(sizes) == len(expected)
+    if ok:
+        for s, e in zip(sizes, expected, strict=True):
+            if e is not None and e != s:
+                ok = False
+                break
     if not ok:
         want = "[" + ", ".join("*" if e is None else str(e) for e in expected) + "]"
         raise ValueError(f"{name} has shape {list(t.shape)}; expected {want}")
@@ -96,13 +106,14 @@ def value_checks_enabled(t: torch.Tensor) -> bool:
     Off when ``QWEN35_CHECK_VALUES=0``; for tensors on an accelerator also while a CUDA graph is being
     captured (a sync would break the capture) and inside :func:`host_built_inputs`; on otherwise.
     """
+    kind = t.device.type
+    if kind != "cpu" and _HOST_BUILT.get():  # first: the common case inside a model host, no environment read
+        return False
     if os.environ.get("QWEN35_CHECK_VALUES", "1") == "0":
         return False
-    if t.device.type == "cpu":
+    if kind == "cpu":
         return True
-    if _HOST_BUILT.get():
-        return False
-    if t.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if kind == "cuda" and torch.cuda.is_current_stream_capturing():
         return False
     return True
 
