@@ -160,7 +160,7 @@ class _StepBuffer:
     def to(self, device: torch.device, flags: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
         used = max((at + _aligned16(n) for at, n in self.parts.values()), default=0)
         if device.type == "cpu":
-            buf = self.host[:used].clone()  # the host buffer is rewritten by the next step
+            buf = self.host[:used]  # used by this step only, which has finished when the next one rewrites it
         else:
             buf = self.host[:used].to(device, non_blocking=True)
             if self.pinned:
