@@ -85,6 +85,17 @@ def divisible(name_num: str, num: int, name_den: str, den: int) -> None:
         raise ValueError(f"{name_num}={num} must be a positive multiple of {name_den}={den}")
 
 
+def planes(name: str, widths: object, channels: int) -> tuple[int, ...]:
+    """Plane widths of a plane-layout buffer (e.g. GDN's q | k | v): 1 to 3 non-negative ints summing to
+    ``channels``. Returns them as a tuple."""
+    ok = isinstance(widths, (tuple, list)) and 1 <= len(widths) <= 3 and all(
+        isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in widths)
+    if not ok or sum(widths) != channels:
+        raise ValueError(f"{name}={widths!r} is not accepted; expected 1 to 3 non-negative ints summing to the "
+                         f"{channels} channels")
+    return tuple(widths)
+
+
 _HOST_BUILT = contextvars.ContextVar("qwen35_host_built_inputs", default=False)
 
 

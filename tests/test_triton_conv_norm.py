@@ -161,6 +161,15 @@ def test_conv_update_planes(widths, W, dtype):
         assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
 
 
+def test_plane_widths_check_for_the_facade():
+    from qwen35 import _checks as chk
+
+    assert chk.planes("planes", [2, 2, 4], 8) == (2, 2, 4)
+    for bad in ((4, 3), (2, 2, 2, 2), (10, -2), (4.0, 4), (True, 7), "8", None):
+        with pytest.raises(ValueError, match="planes="):
+            chk.planes("planes", bad, 8)
+
+
 def test_conv_planes_must_cover_the_channels():
     x, w = torch.zeros(3, 8, device=DEV), torch.zeros(8, 4, device=DEV)
     for bad in ((4, 3), (2, 2, 2, 2), (10, -2)):
