@@ -72,6 +72,11 @@ class SlotAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b = self.host.batch
         T, H, KV, D = q.shape[0], self.H, self.KV, self.D
+        if not b.num_decodes and len(b.prefills) == 1:  # one prompt: its keys go to one slot's consecutive rows
+            slot, ctx, n, _ = b.prefills[0]
+            self.k_cache[slot, :, ctx:ctx + n] = k.view(T, KV, D).transpose(0, 1)
+            self.v_cache[slot, :, ctx:ctx + n] = v.view(T, KV, D).transpose(0, 1)
+            return self._prefill(q, slot, ctx, n)
         self.k_cache[b.token_slots, :, b.token_positions] = k.view(T, KV, D)
         self.v_cache[b.token_slots, :, b.token_positions] = v.view(T, KV, D)
         out = q.new_empty(T, H * D)
