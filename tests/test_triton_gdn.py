@@ -161,13 +161,15 @@ def test_prefill_chunk_table_host_and_device_agree():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("T", [1, 3])
-def test_decode_step_pool(dtype, T):
+@pytest.mark.parametrize("stream", [False, True])  # streaming cache hints on the state: same results
+def test_decode_step_pool(dtype, T, stream):
     B, H, HV, K, V = 4, 2, 4, 32, 32
     d = gdn_inputs(T, H, HV, K, V, dtype=dtype, device=DEV, raw=(T == 1), batch=(B,), seed=3)
     pool = (torch.randn(6, HV, K, V, generator=torch.Generator().manual_seed(4)) * 0.1).to(DEV)
     slots = torch.tensor([5, -1, 0, 2], dtype=torch.int32, device=DEV)
     ours_pool, ref_pool = pool.clone(), pool.double().cpu()
-    o = kt.gdn_recurrent_step(**d, state_pool=ours_pool, state_slots=slots, use_qk_l2norm=True)
+    cfg = {"BV": 16, "num_warps": 1, "STREAM": True} if stream else None
+    o = kt.gdn_recurrent_step(**d, state_pool=ours_pool, state_slots=slots, use_qk_l2norm=True, step_config=cfg)
     ro = ref.gdn_recurrent_step(**_to64({k: v.cpu() for k, v in d.items()}), state_pool=ref_pool,
                                 state_slots=slots.cpu(), use_qk_l2norm=True)
     assert_close(o, ro, TOL[dtype], "output")
@@ -321,8 +323,10 @@ fp16 = dict(act, q_ptr="*fp16", k_ptr="*fp16", o_ptr="*fp16", ws_ptr="*fp32")
 sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=32, VARLEN=False, STATE_IN=False, STATE_OUT=True, POOL=False,
                                     HAS_INIT_FLAGS=False, DOT_PREC="tf32", cu_ptr=None, h0_ptr=None,
                                     slots_ptr=None, has_init_ptr=None), fp16)
-sm90(recurrent._recurrent_step_kernel, dict(T=2, K=128, V=128, BK=128, BV=64, RAW_GATING=True, USE_L2=True,
-                                            g_ptr=None, beta_ptr=None), dict(act, pool_ptr="*fp32"), warps=4)
+for stream in (False, True):
+    sm90(recurrent._recurrent_step_kernel, dict(T=2, K=128, V=128, BK=128, BV=64, RAW_GATING=True, USE_L2=True,
+                                                g_ptr=None, beta_ptr=None, STREAM=stream),
+         dict(act, pool_ptr="*fp32"), warps=4)
 sm90(conv1d._conv_prefill_kernel, dict(W=4, BT=16, BD=128, SEARCH_STEPS=6, VARLEN=True, SKIP_HEADS=True,
                                        HAS_BIAS=True, SILU=True), act)
 sm90(conv1d._conv_head_kernel, dict(W=4, BD=128, BH=4, VARLEN=True, HAS_INIT_FLAGS=True, HAS_BIAS=True, SILU=True),

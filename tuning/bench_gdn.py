@@ -286,7 +286,15 @@ DECODE_VARIANTS = [{"BV": bv, "num_warps": w} for bv, w in ((8, 1), (16, 1), (16
 DECODE_SWEEP = (("27B-TP1", 1), ("35B-A3B-TP1", 1), ("27B-TP4", 1), ("397B-TP8", 128), ("27B-TP1", 128))
 
 
+DECODE_SWEEP_D = (("27B-TP1", 1), ("35B-A3B-TP1", 1), ("27B-TP4", 1), ("397B-TP8", 1), ("397B-TP8", 128),
+                  ("27B-TP4", 128), ("35B-A3B-TP1", 128))
+DECODE_VARIANTS_D = [{"BV": bv, "num_warps": w, **extra} for bv, w in ((16, 1), (32, 1), (32, 2), (64, 4))
+                     for extra in ({}, {"STREAM": True})]
+
+
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
+    if sweep_set == "d":
+        return [("decode", c) for c in DECODE_VARIANTS_D]
     if sweep_set == "c":
         return [("prepare", c) for c in PREPARE_VARIANTS_C]
     if sweep_set == "b":
@@ -390,6 +398,9 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     if args.sweep_set in ("b", "c"):
         sweep_b(args, rows, deadline, save)
         return
+    if args.sweep_set == "d":
+        sweep_decode(rows, deadline, DECODE_SWEEP_D, DECODE_VARIANTS_D, save)
+        return
 
     for label, (hname, lens) in SWEEP_PREFILL.items():
         H, HV = HEADS[hname]
@@ -414,10 +425,15 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
             save()
         del d
         torch.cuda.empty_cache()
-    for hname, B in DECODE_SWEEP:
+    sweep_decode(rows, deadline, DECODE_SWEEP, DECODE_VARIANTS, save)
+
+
+def sweep_decode(rows: list[dict], deadline: float, shapes, variants: list[dict], save=lambda: None) -> None:  # noqa: ANN001
+    """Decode step variants through CUDA graphs (GPU time per call, state traffic rate)."""
+    for hname, B in shapes:
         H, HV = HEADS[hname]
         d = _decode_inputs(B, H, HV)
-        for cfg in DECODE_VARIANTS:
+        for cfg in variants:
             if time.time() > deadline:
                 return
             try:
@@ -472,8 +488,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
-    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c"),
-                        help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks)")
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d"),
+                        help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
+                             "d: decode blocks with and without streaming cache hints")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")
     args = parser.parse_args(argv)

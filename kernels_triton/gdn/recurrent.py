@@ -30,6 +30,7 @@ def _recurrent_step_kernel(
     pool_ptr, slots_ptr, o_ptr, scale, pool_slot_stride,
     T: tl.constexpr, H, HV, NH, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
+    STREAM: tl.constexpr = False,
 ):
     vb = tl.program_id(0)
     nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (row, head) pairs: see chunk.grid_rows
@@ -50,7 +51,10 @@ def _recurrent_step_kernel(
     # store zeros as output and leave the pool alone.
     s_ptrs = pool_ptr + tl.maximum(slot, 0) * pool_slot_stride + (hv * K + kcols[:, None]) * V + vcols[None, :]
     smask = kmask[:, None] & vmask[None, :] & live
-    S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
+    if STREAM:  # each state slice is read once and written once: keep it from displacing the token rows in L2
+        S = tl.load(s_ptrs, mask=smask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    else:
+        S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
     for t in tl.static_range(T):
         row = row0 + t
         g, beta = _gating(row, row >= 0, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV, RAW_GATING)
@@ -68,7 +72,10 @@ def _recurrent_step_kernel(
         o = tl.where(live, decay * Sq + d * tl.sum(k * q, axis=0), 0.0)
         tl.store(o_ptr + (row * HV + hv) * V + vcols, o.to(o_ptr.dtype.element_ty), mask=vmask)
         S = S * decay + k[:, None] * d[None, :]
-    tl.store(s_ptrs, S.to(pool_ptr.dtype.element_ty), mask=smask)
+    if STREAM:
+        tl.store(s_ptrs, S.to(pool_ptr.dtype.element_ty), mask=smask, cache_modifier=".cs")
+    else:
+        tl.store(s_ptrs, S.to(pool_ptr.dtype.element_ty), mask=smask)
 
 
 _launch_step = DirectLauncher(_recurrent_step_kernel)
@@ -86,7 +93,7 @@ def _step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
         return {"BV": _pow2(V, 8), "num_warps": 4}
     tuned = _config.lookup("gdn_recurrent_step", device_facts(device)[0], f"HV={HV},V={V}", tokens=B,
-                           fields=("BV", "num_warps", "num_stages"))
+                           fields=("BV", "num_warps", "num_stages", "STREAM"))
     if tuned:
         return tuned
     pairs = B * HV
@@ -128,6 +135,6 @@ def gdn_recurrent_step(
         (_cdiv(V, BV), *grid_rows(B * HV)),
         (q, k, v, g, beta, a, b, A_log, dt_bias, state_pool, state_slots, o,
          K**-0.5 if scale is None else float(scale), state_pool.stride(0), T, H, HV, B * HV, K, V, _pow2(K), BV,
-         a is not None, use_qk_l2norm),
-        {key: val for key, val in cfg.items() if key != "BV"})
+         a is not None, use_qk_l2norm, bool(cfg.get("STREAM", False))),
+        {key: val for key, val in cfg.items() if key not in ("BV", "STREAM")})
     return o
