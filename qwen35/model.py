@@ -245,7 +245,7 @@ class GatedDeltaNet(nn.Module):
         self.K, self.V = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.eps = cfg.rms_norm_eps
         self.conv_dim = 2 * self.H * self.K + self.HV * self.V
-        self.planes = [self.H * self.K, self.H * self.K, self.HV * self.V]  # q | k | v channels
+        self.planes = (self.H * self.K, self.H * self.K, self.HV * self.V)  # q | k | v channels
         self.channel_ranges = list(itertools.pairwise(itertools.accumulate(self.planes, initial=0)))
         self.in_proj = Linear(cfg.hidden_size, self.conv_dim + self.HV * self.V + 2 * self.HV,
                               dtype=dtype, device=device)  # rows: q | k | v | z | b | a
@@ -283,8 +283,23 @@ class GatedDeltaNet(nn.Module):
         """Views ``[T, channels]`` of the q, k and v planes of a flat ``qkv`` buffer."""
         return [p.view(T, n) for p, n in zip(qkv.split([T * n for n in self.planes]), self.planes, strict=True)]
 
-    def _conv(self, planes: list[torch.Tensor], step: GDNStep, rows: slice, decode: bool) -> list[torch.Tensor]:
-        """Causal conv of each plane's ``rows`` over its own channels (and its channels of the conv pool)."""
+    def _conv(self, qkv: torch.Tensor, planes: list[torch.Tensor], step: GDNStep, rows: slice,
+              decode: bool) -> list[torch.Tensor]:
+        """Causal conv of each plane's ``rows`` over its own channels (and its channels of the conv pool): one
+        call over the three planes when the rows are all of them, else one call per plane."""
+        T = planes[0].shape[0]
+        if rows.start == 0 and rows.stop == T:
+            x = qkv.view(T, self.conv_dim)  # rows of nothing: the memory holds the planes
+            if decode:
+                y = ops.causal_conv1d_update(x, self.conv1d_weight, conv_pool=step.conv_pool,
+                                             conv_slots=step.decode_slots, planes=self.planes)
+            else:
+                y = ops.causal_conv1d_prefill(
+                    x, self.conv1d_weight, cu_seqlens=step.prefill_cu_seqlens, conv_pool=step.conv_pool,
+                    conv_slots=step.prefill_slots, has_initial_state=step.prefill_has_initial_state,
+                    planes=self.planes)
+            q, k, v = self._planes(y.view(-1), T)
+            return [q.view(T, self.H, self.K), k.view(T, self.H, self.K), v.view(T, self.HV, self.V)]
         outs = []
         for (lo, hi), plane in zip(self.channel_ranges, planes, strict=True):
             pool, weight = step.conv_pool[:, lo:hi], self.conv1d_weight[lo:hi]
@@ -307,14 +322,14 @@ class GatedDeltaNet(nn.Module):
         planes = self._planes(qkv, a.shape[0])
         nd = step.num_decodes
         if nd:
-            q, k, v = self._conv(planes, step, slice(0, nd), decode=True)
+            q, k, v = self._conv(qkv, planes, step, slice(0, nd), decode=True)
             o = ops.gdn_recurrent_step(
                 q[:, None], k[:, None], v[:, None], state_pool=step.state_pool, state_slots=step.decode_slots,
                 a=a[:nd, None], b=b[:nd, None], A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm=True)
             out[:nd] = o[:, 0]
         if step.num_prefill_tokens:
             s, e = nd, nd + step.num_prefill_tokens
-            q, k, v = self._conv(planes, step, slice(s, e), decode=False)
+            q, k, v = self._conv(qkv, planes, step, slice(s, e), decode=False)
             o, _ = ops.gdn_chunk_prefill(
                 q, k, v, a=a[s:e], b=b[s:e], A_log=self.A_log, dt_bias=self.dt_bias,
                 cu_seqlens=step.prefill_cu_seqlens, state_pool=step.state_pool, state_slots=step.prefill_slots,

@@ -50,6 +50,8 @@ accelerator tensors inside :func:`host_built_inputs` (the model hosts run their 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from qwen35 import _checks as chk
@@ -286,8 +288,12 @@ def causal_conv1d_prefill(
     conv_slots: torch.Tensor | None = None,
     has_initial_state: torch.Tensor | None = None,
     activation: str | None = "silu",
+    planes: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
     """Depthwise causal conv over whole prompts, varlen. x ``[T, D]`` -> ``[T, D]``.
+
+    ``planes`` (1 to 3 widths summing to D): x's memory holds planes ``[T, planes[p]]`` back to back (channels
+    in order; GDN's q | k | v) instead of rows of D channels; the output has the same layout.
 
     With ``conv_pool`` + ``conv_slots`` ``[N]``, each sequence's window starts from its slot's
     history (zeros where ``has_initial_state`` is False or the slot is negative) and the last
@@ -311,9 +317,11 @@ def causal_conv1d_prefill(
             chk.shape("has_initial_state", has_initial_state, [N])
     elif conv_slots is not None or has_initial_state is not None:
         raise ValueError("conv_slots / has_initial_state are only meaningful with conv_pool")
-    return _impl("causal_conv1d_prefill", x)(
-        x, weight, bias, cu_seqlens=cu_seqlens, conv_pool=conv_pool, conv_slots=conv_slots,
-        has_initial_state=has_initial_state, activation=activation)
+    fn = _impl("causal_conv1d_prefill", x)
+    kw = dict(cu_seqlens=cu_seqlens, conv_slots=conv_slots, has_initial_state=has_initial_state, activation=activation)
+    if planes is None:
+        return fn(x, weight, bias, conv_pool=conv_pool, **kw)
+    return _by_planes(fn, chk.planes("planes", planes, D), x, weight, bias, conv_pool, kw)
 
 
 def causal_conv1d_update(
@@ -324,15 +332,45 @@ def causal_conv1d_update(
     conv_pool: torch.Tensor,
     conv_slots: torch.Tensor,
     activation: str | None = "silu",
+    planes: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Decode: one new token per row. x ``[B, D]``; pool updated in place; negative slots skipped (zero output)."""
+    """Decode: one new token per row. x ``[B, D]``; pool updated in place; negative slots skipped (zero output).
+    ``planes`` as in :func:`causal_conv1d_prefill` (planes of B rows)."""
     chk.tensor("x", x, ndim=2)
     D, W = _conv_common(x, weight, bias, activation)
     _conv_pool(conv_pool, x, D, W)
     chk.tensor("conv_slots", conv_slots, device=x.device, dtypes=chk.INDEX_DTYPES)
     chk.slots("conv_slots", conv_slots, x.shape[0], conv_pool.shape[0], "conv_pool")
-    return _impl("causal_conv1d_update", x)(
-        x, weight, bias, conv_pool=conv_pool, conv_slots=conv_slots, activation=activation)
+    fn = _impl("causal_conv1d_update", x)
+    kw = dict(conv_slots=conv_slots, activation=activation)
+    if planes is None:
+        return fn(x, weight, bias, conv_pool=conv_pool, **kw)
+    return _by_planes(fn, chk.planes("planes", planes, D), x, weight, bias, conv_pool, kw)
+
+
+_TAKES_PLANES: dict[object, bool] = {}
+
+
+def _by_planes(fn, planes: tuple[int, ...], x, weight, bias, conv_pool, kw: dict) -> torch.Tensor:
+    """A conv op over a plane-layout x: in one call where the backend takes ``planes``, else plane by plane."""
+    takes = _TAKES_PLANES.get(fn)
+    if takes is None:
+        import inspect
+
+        takes = _TAKES_PLANES[fn] = "planes" in inspect.signature(fn).parameters
+    if takes:
+        return fn(x, weight, bias, conv_pool=conv_pool, planes=planes, **kw)
+    rows = x.shape[0]
+    flat, y = x.view(-1), torch.empty_like(x)
+    at = ch = 0
+    for n in planes:
+        if n:
+            part = slice(ch, ch + n)
+            y.view(-1)[at:at + rows * n].view(rows, n).copy_(fn(
+                flat[at:at + rows * n].view(rows, n), weight[part], None if bias is None else bias[part],
+                conv_pool=None if conv_pool is None else conv_pool[:, part], **kw))
+        at, ch = at + rows * n, ch + n
+    return y
 
 
 # ----------------------------------------------------------------------------- norms
@@ -551,15 +589,22 @@ def attention_decode(
     return _impl("attention_decode", q)(q, k_cache, v_cache, slots=slots, lengths=lengths, scale=scale)
 
 
-def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> object | None:
+def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *,
+                         offsets: Sequence[int] | None = None) -> object | None:
     """Per-batch data for :func:`gdn_chunk_prefill` (e.g. chunk indices), computed once per batch.
 
     Asks the backend that ``gdn_chunk_prefill`` uses on ``cu_seqlens``' device; ``None`` when that
     backend needs none. Pass the result as ``metadata=`` to every GDN layer of the batch so the
-    op itself does no host synchronisation.
+    op itself does no host synchronisation. ``offsets``: the values of ``cu_seqlens`` when the caller
+    has them on the host (a host that built the batch does), so the backend need not read them back
+    from the device, which waits for all work queued before.
     """
     chk.tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=chk.INDEX_DTYPES)
     chk.positive_int("chunk_size", chunk_size, maximum=256)
+    if offsets is not None:
+        offsets = chk.host_offsets("offsets", offsets, cu_seqlens.shape[0])
     choice = probe.choose("gdn_chunk_prefill", cu_seqlens.device)
     prepare = getattr(backends.load(choice.backend), "prepare_gdn_metadata", None)
-    return prepare(cu_seqlens, chunk_size) if callable(prepare) else None
+    if not callable(prepare):
+        return None
+    return prepare(cu_seqlens, chunk_size) if offsets is None else prepare(cu_seqlens, chunk_size, offsets=offsets)
