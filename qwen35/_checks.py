@@ -147,6 +147,23 @@ def cu_seqlens(name: str, cu: torch.Tensor, total_tokens: int) -> int:
     return cu.numel() - 1
 
 
+def host_offsets(name: str, offsets: object, count: int) -> list[int]:
+    """Host copies of ``count`` sequence offsets: ints, starting at 0, non-decreasing. Returns them as a list."""
+    if isinstance(offsets, torch.Tensor):
+        raise ValueError(f"{name} must be host ints (a list or tuple), not a tensor")
+    vals = list(offsets)
+    if len(vals) != count:
+        raise ValueError(f"{name} holds {len(vals)} offsets; cu_seqlens holds {count}")
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in vals):
+        raise ValueError(f"{name} must hold ints, got {vals[:8]}")
+    if vals and vals[0] != 0:
+        raise ValueError(f"{name}[0]={vals[0]}; offsets must start at 0")
+    for i in range(1, len(vals)):
+        if vals[i] < vals[i - 1]:
+            raise ValueError(f"{name} must be non-decreasing; {name}[{i}]={vals[i]} < {name}[{i - 1}]={vals[i - 1]}")
+    return vals
+
+
 def slots(name: str, s: torch.Tensor, count: int, pool_size: int, pool_name: str) -> None:
     """Check slot indices [count]: int32/int64; each in [0, pool_size) or negative (padding)."""
     tensor(name, s, ndim=1, dtypes=INDEX_DTYPES, contiguous=True)

@@ -324,7 +324,7 @@ class Qwen35Standalone:
             prefill_cu_seqlens=cu if prefills else None, prefill_slots=seq_slots_d[nd:] if prefills else None,
             prefill_has_initial_state=d["has_init"] if prefills else None)
         if prefills:
-            gdn["prefill_metadata"] = ops.prepare_gdn_metadata(cu)
+            gdn["prefill_metadata"] = ops.prepare_gdn_metadata(cu, offsets=prefill_cu)  # no device read-back
         batch = _Batch(num_decodes=nd, decode_slots=seq_slots_d[:nd], decode_lens=d["decode_lens"] if nd else None,
                        prefills=prefills, token_slots=d["slots"], token_positions=d["positions"], gdn=gdn)
         return d["ids"], batch, d["rows"]

@@ -262,6 +262,12 @@ def test_facade_forced_triton_selftests_and_runs(fresh_probe, monkeypatch):
     cu = cu_from_lens(lens, DEV)
     meta = ops.prepare_gdn_metadata(cu)
     assert isinstance(meta, kt.gdn.GdnChunkMetadata)
+    from_host = ops.prepare_gdn_metadata(cu, offsets=[0, 3, 69])  # the host's copy: no read-back, same table
+    assert from_host.num_chunks == meta.num_chunks and torch.equal(from_host.chunk_bounds, meta.chunk_bounds)
+    for bad, msg in (([0, 3], "holds 2 offsets"), ([1, 3, 69], "must start at 0"), ([0, 5, 3], "non-decreasing"),
+                     (cu, "not a tensor"), ([0, 3.0, 69], "must hold ints")):
+        with pytest.raises(ValueError, match=msg):
+            ops.prepare_gdn_metadata(cu, offsets=bad)
     o, ht = ops.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True, metadata=meta)
     ro, rht = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(),
                                     output_final_state=True, use_qk_l2norm=True)

@@ -59,17 +59,21 @@ class GdnChunkMetadata:
     version: int = -1
 
 
-def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64) -> GdnChunkMetadata:
-    """Chunk table for a batch (one host synchronisation, here, instead of one per layer).
+def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *,
+                         offsets: list[int] | None = None) -> GdnChunkMetadata:
+    """Chunk table for a batch: built on the host from ``offsets`` (the values of ``cu_seqlens``), read back
+    from the device when not given (one host synchronisation, here, instead of one per layer).
 
     This backend always uses ``CHUNK``-token chunks; ``chunk_size`` is accepted for the façade's
-    signature (the result of the op does not depend on it beyond rounding).
+    signature (the result of the op does not depend on it beyond rounding). The table goes to the
+    device from pinned memory: a copy from pageable memory would wait for the work queued before it.
     """
     bounds = []
-    offsets = cu_seqlens.tolist()
+    offsets = cu_seqlens.tolist() if offsets is None else offsets
     for start, end in zip(offsets[:-1], offsets[1:], strict=True):
         bounds += [(s, min(s + CHUNK, end)) for s in range(start, end, CHUNK)]
-    table = torch.tensor(bounds or [(0, 0)], dtype=torch.int32).to(cu_seqlens.device, non_blocking=True)
+    table = torch.tensor(bounds or [(0, 0)], dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
+    table = table.to(cu_seqlens.device, non_blocking=True)
     return GdnChunkMetadata(table, len(bounds), CHUNK, cu_seqlens, cu_seqlens._version)
 
 
