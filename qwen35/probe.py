@@ -223,12 +223,14 @@ def device_caps(device: torch.device | str | None = None) -> DeviceCaps:
 
 _CHOICES: dict[tuple[str, str], Choice] = {}
 _IMPLS: dict[tuple[str, str], object] = {}
+_BY_DEVICE: dict[tuple[str, torch.device], object] = {}  # implementation() by the tensor's own device
 
 
 def reset() -> None:
     """Forget cached choices and device facts (after changing env overrides or the registry)."""
     _CHOICES.clear()
     _IMPLS.clear()
+    _BY_DEVICE.clear()
     _CAPS.clear()
 
 
@@ -315,12 +317,21 @@ def _remember(key: tuple[str, str], choice: Choice, fn: object) -> Choice:
 
 
 def implementation(op: str, device: torch.device) -> object:
-    """The callable the probe chose for ``op`` on ``device``."""
+    """The callable the probe chose for ``op`` on ``device``.
+
+    Called once per op call: a tensor's own device (which always carries its index) is looked up
+    directly; building the normalised key costs microseconds of host time per call.
+    """
+    fn = _BY_DEVICE.get((op, device))
+    if fn is not None:
+        return fn
     key = (op, _device_key(device))
     fn = _IMPLS.get(key)
     if fn is None:
         choose(op, device)
         fn = _IMPLS[key]
+    if isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None):
+        _BY_DEVICE[(op, device)] = fn
     return fn
 
 
