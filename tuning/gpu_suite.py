@@ -4,8 +4,9 @@
     python -m tuning.gpu_suite --out $OUT --only tests,gdn --quick
     python -m tuning.gpu_suite --out $OUT --budget 540 --part-args "gdn=--quick --fla-deadline 60"
 
-Parts: ``probe`` (qwen35-probe --json), ``tests`` (pytest -m gpu), ``gdn``, ``moe``, ``model``
-(the benchmarks in tuning/bench_*.py). Each part runs in its own subprocess so one crash does
+Parts: ``probe`` (qwen35-probe --json), ``tests`` (pytest -m gpu), ``kernels`` (the Triton kernel test
+modules, which run on the GPU when there is one: the interpreter cases of CI, compiled for real), ``gdn``,
+``moe``, ``model`` (the benchmarks in tuning/bench_*.py). Each part runs in its own subprocess so one crash does
 not lose the others; a part whose module is absent is reported as skipped. Writes
 ``suite.json`` (status + wall time per part), ``suite.log`` (every part's output), ``probe.json``
 and each benchmark's own JSON; the status table is printed last.
@@ -22,12 +23,16 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("probe", "tests", "gdn", "moe", "model")
+PARTS = ("probe", "tests", "kernels", "gdn", "moe", "model")
 
 
 # GPU-marked tests live here; other test modules may import CPU-only stacks (vLLM) at collection.
 GPU_TEST_PATHS = ("tests/gpu", "tests/test_standalone.py", "tests/test_strided_pools.py",
                   "tests/test_triton_attention.py")
+# Kernel test modules whose every case runs on CUDA when present (on CPU, in the interpreter); none imports vLLM.
+KERNEL_TEST_PATHS = ("tests/test_triton_gdn.py", "tests/test_triton_moe.py", "tests/test_triton_moe_down.py",
+                     "tests/test_triton_moe_decode.py", "tests/test_triton_conv_norm.py",
+                     "tests/test_triton_attention.py", "tests/test_launch.py")
 
 
 def _command(part: str, out: Path, quick: bool, extra: list[str]) -> list[str] | None:
@@ -36,6 +41,8 @@ def _command(part: str, out: Path, quick: bool, extra: list[str]) -> list[str] |
         return [py, "-m", "qwen35.probe", "--json"]
     if part == "tests":
         return [py, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", *GPU_TEST_PATHS, *extra]
+    if part == "kernels":
+        return [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TEST_PATHS, *extra]
     module = f"tuning.bench_{part}"
     if importlib.util.find_spec(module) is None:
         return None
