@@ -269,7 +269,8 @@ def test_facade_forced_triton_conv_and_norms(fresh_probe, monkeypatch):
     for op in ("causal_conv1d_prefill", "causal_conv1d_update", "rms_norm_gated", "rms_norm_zero_centered"):
         choice = fresh_probe.choose(op, DEV)
         assert choice.backend == "triton", choice.reason
-        assert choice.selftest_rel_err is not None and choice.selftest_rel_err < 1e-5, choice.reason
+        budget = 1e-5 if DEV == "cpu" else 2.5e-2  # the self-test runs fp32 on CPU, bf16 on a GPU
+        assert choice.selftest_rel_err is not None and choice.selftest_rel_err < budget, choice.reason
     gen = torch.Generator().manual_seed(3)
     x, w = _rand(gen, 12, 32), _rand(gen, 32, 4, scale=0.5)
     cu = cu_from_lens([5, 7], DEV)

@@ -208,49 +208,6 @@ def down_flat_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
     return rows
 
 
-def decode_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
-    """moe_block at a few tokens: the general pipeline (five launches) against the decode path
-    (``kernels_triton.moe.decode``: router, one fused experts kernel, combine) at several BI, without and with
-    the shared expert; GPU time by graph replay."""
-    from kernels_triton._config import device_facts
-    from kernels_triton.moe import decode
-
-    rows = []
-    sms = device_facts(torch.device(DEVICE))[1]
-    for name in shapes:
-        E, k, H, I = SHAPES[name]
-        w = _weights(E, H, I)
-        for M in ms:
-            x = _x(M, H)
-            for shared in (None, w["shared"]):
-                base = (x, w["router_weight"], w["w13"], w["w2"], k)
-                saved = decode.MAX_M
-                decode.MAX_M = 0
-                try:
-                    want = ours(*base, shared=shared)
-                    general = _bench.time_graph_ms(functools.partial(ours, *base, shared=shared))
-                finally:
-                    decode.MAX_M = saved
-                sw = {} if shared is None else dict(shared_w13=shared[0], shared_w2=shared[1],
-                                                    shared_gate_weight=shared[2])
-                variants = {"general": (general, 0.0)}
-                for bi in (16, 32, 64):
-                    if bi > I:
-                        continue
-                    call = functools.partial(decode.moe_block_decode, *base, renormalize=True, expert_map=None,
-                                             sm_count=sms, bi=bi, **{"shared_w13": None, "shared_w2": None,
-                                                                     "shared_gate_weight": None, **sw})
-                    variants[f"decode BI={bi}"] = (_bench.time_graph_ms(call), _rel(call(), want))
-                for label, (ms_, err) in variants.items():
-                    rows.append(dict(sweep="decode_path", shape=f"{name} M={M}", shared=shared is not None,
-                                     variant=label, us=round(ms_ * 1e3, 2), rel_vs_general=round(err, 6),
-                                     default_bi=decode.block_i(I, k + int(shared is not None), M, sms)))
-                    print(rows[-1], flush=True)
-                _bench.write_results(out, f"moe_decode_path_{_config_slug()}", rows)
-        torch.cuda.empty_cache()
-    return rows
-
-
 def _route_align_for(x, w, top_k, block_m):  # noqa: ANN001, ANN202
     from kernels_triton.moe import align, routing
 
@@ -494,7 +451,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
     ap.add_argument("--down-flat", action="store_true", help="sweep the down GEMM's column tiles per program")
-    ap.add_argument("--decode-path", action="store_true", help="general pipeline vs the decode path at few tokens")
     ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
                     help="also time each stage with the shared expert up to this many tokens")
     args = ap.parse_args(argv)
@@ -503,9 +459,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     shapes = args.shapes.split(",") if args.shapes else list(QUICK_SHAPES if args.quick else SHAPES)
     out = Path(args.out)
-    if args.decode_path:
-        decode_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1, 2, 4, 8])
-        return 0
     if args.down_flat:
         down_flat_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1024, 4096, 16384])
         return 0

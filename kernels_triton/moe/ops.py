@@ -16,10 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels_triton._config import device_facts
 from kernels_triton.moe import align as _align
 from kernels_triton.moe import config as _config
-from kernels_triton.moe import decode as _decode
 from kernels_triton.moe import experts as _experts
 from kernels_triton.moe import routing as _routing
 
@@ -85,10 +83,6 @@ def moe_block(
         return torch.empty_like(x)
     (M, H), (E, I) = x.shape, (w13.shape[0], w2.shape[2])
     fused_shared = shared_w13 is not None and shared_w13.shape[0] == w13.shape[1]
-    if M <= _decode.MAX_M and (shared_w13 is None or fused_shared):
-        return _decode.moe_block_decode(
-            x, router_weight, w13, w2, top_k, renormalize=renormalize, shared_w13=shared_w13, shared_w2=shared_w2,
-            shared_gate_weight=shared_gate_weight, expert_map=expert_map, sm_count=device_facts(x.device)[1])
     gate = shared_gate_weight if fused_shared else None
     cfgs = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
     logits, n_splits = _routing.router_logits(x, router_weight, gate)
