@@ -404,3 +404,18 @@ def test_tuned_entries_give_only_launch_fields(tmp_path, monkeypatch):
     finally:
         _config.clear_cache()
     assert got == {"BV": 32, "num_warps": 4, "num_stages": 2}
+
+
+def test_decode_step_config_heuristic(monkeypatch):
+    """Heuristic decode blocks by (row, head) pairs; streaming hints only with the large blocks (H200 sweeps)."""
+    from kernels_triton.gdn import recurrent
+
+    monkeypatch.setattr(recurrent, "device_facts", lambda device: ("some GPU", 132, (9, 0)))
+    recurrent._step_config.cache_clear()
+    try:
+        cuda = torch.device("cuda", 0)
+        assert recurrent._step_config(cuda, 1, 48, 128) == {"BV": 16, "num_warps": 1}
+        assert recurrent._step_config(cuda, 32, 8, 128) == {"BV": 32, "num_warps": 1}
+        assert recurrent._step_config(cuda, 128, 8, 128) == {"BV": 64, "num_warps": 4, "STREAM": True}
+    finally:
+        recurrent._step_config.cache_clear()

@@ -491,6 +491,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d"),
                         help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
                              "d: decode blocks with and without streaming cache hints")
+    parser.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")
     args = parser.parse_args(argv)
@@ -521,6 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         sweep(args, sweep_rows, start + args.sweep_deadline,
               lambda: _bench.write_results(args.out, f"gdn_sweep_{tag}" + name[len(f"gdn_{tag}"):], sweep_rows,
                                            {"ceilings": ceil}))
+        if args.sweep_only:
+            return 0
     bench_decode(fla, args, ceil, rows, save)
     try:
         bench_host(fla, rows, start + args.fla_deadline)

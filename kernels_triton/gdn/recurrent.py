@@ -87,8 +87,10 @@ def _step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
     """V block and warps: a tuned file entry if present, else the heuristic below (cached per batch size).
 
     From the H200 sweep (tuning/results/gdn_sweep_nvidia_h200.json), by (row, head) pairs:
-    >= 1024 pairs: 64-wide blocks, 4 warps (4.0-4.1 TB/s at B >= 128); a few hundred: 32-wide,
-    1 warp (TP8 B=32: 8.3 us vs 9.2 for 64/4); tens: 16-wide, 1 warp (B=1: 3.05-4.4 us).
+    >= 1024 pairs: 64-wide blocks, 4 warps (4.0-4.1 TB/s at B >= 128), with streaming cache hints on
+    the state (``STREAM``; tuning/results/gdn_sweep_d_nvidia_h200.json, B=128: 397B-TP8 38.6 -> 36.9 us,
+    27B-TP4 55.1 -> 53.1, 35B 138.9 -> 135.1; at B=1 they cost 0.05-0.2 us, so only here); a few hundred:
+    32-wide, 1 warp (TP8 B=32: 8.3 us vs 9.2 for 64/4); tens: 16-wide, 1 warp (B=1: 2.5-3.2 us).
     """
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
         return {"BV": _pow2(V, 8), "num_warps": 4}
@@ -97,7 +99,9 @@ def _step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
     if tuned:
         return tuned
     pairs = B * HV
-    BV, warps = (64, 4) if pairs >= 1024 else (32, 1) if pairs > 64 else (16, 1)
+    if pairs >= 1024:
+        return {"BV": min(64, _pow2(V, 8)), "num_warps": 4, "STREAM": True}
+    BV, warps = (32, 1) if pairs > 64 else (16, 1)
     return {"BV": min(BV, _pow2(V, 8)), "num_warps": warps}
 
 
