@@ -312,6 +312,8 @@ def choose(op: str, device: torch.device | str | None = None) -> Choice:
 def _remember(key: tuple[str, str], choice: Choice, fn: object) -> Choice:
     _CHOICES[key] = choice
     _IMPLS[key] = fn
+    for cached in [k for k in _BY_DEVICE if k[0] == key[0] and _device_key(k[1]) == key[1]]:
+        del _BY_DEVICE[cached]  # a new choice for this op and device replaces the fast-path entry
     log.info("qwen35: %s on %s -> %s (%s)", choice.op, choice.device, choice.backend, choice.reason)
     return choice
 
