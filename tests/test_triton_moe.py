@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first triton import
 
 import pytest  # noqa: E402
-from helpers import assert_close, rel_err  # noqa: E402
+from helpers import assert_close, rel_err, run_without_interpreter  # noqa: E402
 
 from kernels_triton import _config  # noqa: E402
 from kernels_triton import moe as tmoe  # noqa: E402
@@ -380,20 +380,8 @@ def test_facade_selects_and_self_tests_triton(fresh_probe, monkeypatch):
 # ----------------------------------------------------------------------------- the GPU build, without a GPU
 
 _SM90_BUILD = r'''
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from helpers import build_sm90 as build
 from kernels_triton.moe import align as A, experts as X, routing as R
-
-def build(fn, types, consts, num_warps=4, num_stages=3):
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        sig[n] = "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
-        if n.endswith("_ptr") or n in ("H", "I"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
 
 bf, f32 = "*bf16", "*fp32"
 route = dict(N_SPLITS=4, TOP_K=10, K_PAD=16, E_PAD=512, RENORMALIZE=True, HAS_GATE=True, HAS_SHARED=True)
@@ -427,13 +415,7 @@ print("built")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests run these kernels for real")
 def test_kernels_build_for_hopper():
     """Every kernel compiles to sm_90 code (Triton's bundled ptxas; no GPU needed), decode and prefill variants."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _SM90_BUILD], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=600)
+    proc = run_without_interpreter(_SM90_BUILD)
     assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
 
 
