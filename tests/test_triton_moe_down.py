@@ -1,6 +1,7 @@
 """The down GEMM's flat multi-tile loop (``TILES_N`` column tiles per program) gives the one-tile loop's bits.
 
-Runs on CPU under TRITON_INTERPRET=1 (fp16/fp32: the interpreter's bf16 dot is broken), or on CUDA.
+Runs on CPU under TRITON_INTERPRET=1 (fp16/fp32: the interpreter's bf16 dot is broken), or on CUDA. Its sm_90
+build is part of tests/test_triton_moe.py::test_kernels_build_for_hopper.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first triton import
 
 import pytest  # noqa: E402
-from helpers import assert_close, run_without_interpreter  # noqa: E402
+from helpers import assert_close  # noqa: E402
 
 from kernels_triton.moe import align as talign  # noqa: E402
 from kernels_triton.moe import experts as texperts  # noqa: E402
@@ -46,26 +47,6 @@ def test_down_flat_tiles_bit_identical(dtype, H, I, block_k):
             slot = int(rows[r])
             want = weights.flatten()[slot].double().cpu() * (h[r].double().cpu() @ w2[e].double().cpu().T)
             assert_close(y[slot], want, 2e-3 if dtype == torch.float16 else 1e-5, f"slot {slot}")
-
-
-_SM90_BUILD = r"""
-from helpers import build_sm90
-from kernels_triton.moe import experts as X
-
-types = {"h_ptr": "*bf16", "w_ptr": "*bf16", "shared_w_ptr": "*bf16", "weights_ptr": "*fp32", "y_ptr": "*bf16"}
-for bm, bn, bk, warps, stages, tiles_n in ((128, 256, 64, 8, 4, 4), (128, 256, 128, 8, 2, 16), (64, 128, 64, 4, 4, 8)):
-    build_sm90(X._down_kernel, types, dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True,
-                                           EVEN_N=True, IEEE=False, TILES_N=tiles_n), warps, stages)
-print("built")
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU runs these kernels for real")
-def test_down_flat_tiles_build_for_sm90():
-    """The flat multi-tile loop compiles to sm_90 code at the large-M tiles the heuristic gives it."""
-    proc = run_without_interpreter(_SM90_BUILD)
-    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
 
 
 def test_down_tiles_rule():
