@@ -225,6 +225,21 @@ class Rotary:
         return x
 
 
+class _StepRope:
+    """``(rotary, cos, sin)`` of one step, unpacked by the attention layers; cos/sin are computed when the first
+    one does. A prefill's first layers are GDN layers: its first launches are then their work, not these small
+    kernels, while the device still waits for the step's first kernels."""
+
+    def __init__(self, rotary: Rotary, positions: torch.Tensor):
+        self.rotary, self.positions = rotary, positions
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def __iter__(self):  # noqa: ANN204
+        if self._cos_sin is None:
+            self._cos_sin = self.rotary.cos_sin(self.positions)
+        return iter((self.rotary, *self._cos_sin))
+
+
 # ----------------------------------------------------------------------------- token mixers
 
 
@@ -358,7 +373,7 @@ class GatedAttention(nn.Module):
         self.o_proj = Linear(self.H * self.D, cfg.hidden_size, dtype=dtype, device=device, reduce=host.parallel)
         self.attn = host.attention(layer_idx, self.H, self.KV, self.D, self.D**-0.5)
 
-    def forward(self, x: torch.Tensor, rope: tuple[Rotary, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[Rotary, torch.Tensor, torch.Tensor] | _StepRope) -> torch.Tensor:
         T = x.shape[0]
         qg, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
         q, gate = qg.reshape(T, self.H, 2 * self.D).chunk(2, dim=-1)
@@ -451,8 +466,7 @@ class Qwen35Model(nn.Module):
         if positions.dim() == 2:
             positions = positions[0]
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        cos, sin = self.rotary.cos_sin(positions)
-        rope = (self.rotary, cos, sin)
+        rope = _StepRope(self.rotary, positions)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, rope)

@@ -179,6 +179,19 @@ class _StepBuffer:
         return out
 
 
+def _token_row(tokens, slot: int):  # noqa: ANN001, ANN202
+    """One sequence's new tokens as given (a list of ints) or as a 1-D integer array (numpy, or a CPU tensor:
+    copied into the step's buffer without a Python loop over the tokens)."""
+    if isinstance(tokens, torch.Tensor):
+        if tokens.device.type != "cpu":
+            raise ValueError(f"tokens for slot {slot} are on {tokens.device}; pass them as a CPU tensor or a list")
+        tokens = tokens.numpy()
+    if isinstance(tokens, np.ndarray) and (tokens.ndim != 1 or tokens.dtype.kind not in "iu"):
+        raise ValueError(f"tokens for slot {slot} must be a 1-D integer array, got shape {tuple(tokens.shape)} "
+                         f"dtype {tokens.dtype}")
+    return tokens
+
+
 class SlotGDNState:
     """Conv and recurrent-state pools of one GDN layer, one slot per sequence."""
 
@@ -272,6 +285,7 @@ class Qwen35Standalone:
             raise ValueError(f"{len(slots)} slots but {len(tokens)} token lists")
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots repeat in one step: {slots}")
+        tokens = [_token_row(t, s) for t, s in zip(tokens, slots, strict=True)]
         lens_in = [len(t) for t in tokens]
         for s, n in zip(slots, lens_in, strict=True):
             if not 0 <= s < self.host.max_seqs or s in self.free:
@@ -303,6 +317,9 @@ class Qwen35Standalone:
             else:
                 tok_slots[lo:hi] = seq_slots[j]
                 np.add(np.arange(hi - lo, dtype=np.int32), ctxs[j], out=tok_pos[lo:hi])
+        if T and not 0 <= int(ids.min()) <= int(ids.max()) < self.cfg.vocab_size:
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
         first_row = [0] * N  # first row of each sequence, in input order
         for j, i in enumerate(order):
             first_row[i] = starts[j]
@@ -330,8 +347,10 @@ class Qwen35Standalone:
         return d["ids"], batch, d["rows"]
 
     @torch.no_grad()
-    def step(self, slots: list[int], tokens: list[list[int]], *, all_logits: bool = False) -> torch.Tensor:
-        """Feed each sequence its new tokens; returns fp32 logits.
+    def step(self, slots: list[int], tokens: list[list[int]] | list[np.ndarray] | list[torch.Tensor], *,
+             all_logits: bool = False) -> torch.Tensor:
+        """Feed each sequence its new tokens (a list of ints, or a 1-D integer numpy array / CPU tensor each);
+        returns fp32 logits.
 
         ``all_logits=False``: ``[N, vocab]``, the last new token of each sequence (input order).
         ``all_logits=True``: ``[sum of new tokens, vocab]`` in input order.

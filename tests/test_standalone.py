@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import numpy as np
 import pytest
 import torch
 from helpers import rel_err
@@ -178,6 +179,27 @@ def test_bad_requests_raise_clear_errors(dense_ckpt):
         m.step(slots, [[]])
     with pytest.raises(ValueError, match="max_new_tokens=0"):
         m.generate([[1]], 0)
+    vocab = m.cfg.vocab_size
+    with pytest.raises(ValueError, match=rf"token id {vocab} is outside the vocabulary \[0, {vocab}\)"):
+        m.step(slots, [[1, vocab]])
+    with pytest.raises(ValueError, match=r"token id -1 is outside"):
+        m.step(slots, [np.array([3, -1])])
+    with pytest.raises(ValueError, match="must be a 1-D integer array, got shape \\(2,\\) dtype float32"):
+        m.step(slots, [np.array([1.0, 2.0], dtype=np.float32)])
+    assert m.lengths[slots[0]] == 0  # nothing was run: the sequence is still empty
+    assert torch.isfinite(m.step(slots, [[1, 2]])).all()
+
+
+def test_token_arrays_match_token_lists(moe_ckpt):
+    """numpy int32 / int64 arrays and CPU tensors give the same logits as lists of ints."""
+    m = Qwen35Standalone.from_pretrained(moe_ckpt, max_seqs=4, max_len=64)
+    prompts = _prompts([9, 1, 20], seed=4)
+    want = m.step(m.allocate(3), prompts, all_logits=True)
+    m.release([0, 1, 2])
+    for kind in (lambda p: np.asarray(p, dtype=np.int32), np.asarray, lambda p: torch.tensor(p)):
+        got = m.step(m.allocate(3), [kind(p) for p in prompts], all_logits=True)
+        m.release([0, 1, 2])
+        assert torch.equal(got, want)
 
 
 @pytest.mark.gpu

@@ -402,14 +402,15 @@ for top_k, chunk_pad in ((8, 512), (10, 1024)):
     build(A._scatter_kernel, {}, dict(TOP_K=top_k, HAS_SHARED=True, BLOCK_M=128, CHUNK_PAD=chunk_pad, G_PAD=512,
                                       TILE_C=32), 8)
 for bm, bn, bk, warps, stages in ((16, 32, 256, 4, 4), (128, 128, 64, 8, 3)):
-    tiles = dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True, IEEE=False)
+    tiles = dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True, IEEE=False,
+                 SUB_LEVELS=X.sub_levels(bm))
     build(X._gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf}, tiles, warps, stages)
     build(X._down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weights_ptr": f32, "y_ptr": bf}, tiles,
           warps, stages)
 down = {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weights_ptr": f32, "y_ptr": bf}
 for bm, bn, bk, warps, stages, tiles_n in ((128, 256, 64, 8, 4, 4), (128, 256, 128, 8, 2, 16), (64, 128, 64, 4, 4, 8)):
     build(X._down_kernel, down, dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True,
-                                     IEEE=False, TILES_N=tiles_n), warps, stages)  # the flat multi-tile loop
+                                     IEEE=False, TILES_N=tiles_n, SUB_LEVELS=X.sub_levels(bm)), warps, stages)  # flat
 build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=True, BLOCK_H=1024))
 print("built")
 '''

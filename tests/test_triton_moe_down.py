@@ -1,4 +1,5 @@
-"""The down GEMM's flat multi-tile loop (``TILES_N`` column tiles per program) gives the one-tile loop's bits.
+"""The down GEMM's flat multi-tile loop (``TILES_N`` column tiles per program) gives the one-tile loop's bits;
+a group's short last block runs a shorter tile (``SUB_LEVELS``) in both expert GEMMs and gives the same rows.
 
 Runs on CPU under TRITON_INTERPRET=1 (fp16/fp32: the interpreter's bf16 dot is broken), or on CUDA. Its sm_90
 build is part of tests/test_triton_moe.py::test_kernels_build_for_hopper.
@@ -55,3 +56,41 @@ def test_down_tiles_rule():
     assert texperts.down_tiles_per_program(GemmConfig(128, 256, 64, 8, 4), 2048, 512) == 4
     assert texperts.down_tiles_per_program(GemmConfig(128, 256, 128, 8, 2), 4096, 128) == 16
     assert texperts.down_tiles_per_program(GemmConfig(64, 128, 64, 4, 4), 4096, 128) == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("block_m", [64, 128])
+def test_short_last_blocks(dtype, block_m):
+    """Groups of 10 / 40 / 100 / 130 / 0 slots: last blocks with 2-100 real rows take the half / quarter tiles
+    (or the full one) by their count; every level gives the reference rows, every tiles_n the same bits."""
+    gen = torch.Generator().manual_seed(7)
+    counts = [10, 40, 100, 130, 0]
+    E, H, I, k = len(counts), 48, 32, 1
+    ids = torch.cat([torch.full((c,), e, dtype=torch.int32) for e, c in enumerate(counts)])
+    ids = ids[torch.randperm(ids.numel(), generator=gen)][:, None].to(DEVICE)
+    M = ids.shape[0]
+    weights = torch.rand(M, k, generator=gen).to(DEVICE)
+    x = torch.randn(M, H, generator=gen).to(DEVICE, dtype)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(DEVICE, dtype)
+    w2 = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(DEVICE, dtype)
+    al = talign.align(ids, n_local=E, block_m=block_m)
+    cfg = GemmConfig(block_m, 16, 16, 4, 2)
+    xd, w13d, w2d = x.double().cpu(), w13.double().cpu(), w2.double().cpu()
+    gate, up = torch.einsum("mh,mnh->mn", xd, w13d[ids[:, 0].long().cpu()]).chunk(2, dim=-1)
+    want_h = torch.nn.functional.silu(gate) * up  # per token (k = 1: slot = token)
+    rows, starts = al.sorted_slots.long().cpu(), al.group_start.cpu()
+    real = torch.cat([rows[int(starts[e]):int(starts[e]) + c] for e, c in enumerate(counts)])
+    where = torch.cat([torch.arange(int(starts[e]), int(starts[e]) + c) for e, c in enumerate(counts)])
+    tol = 4e-3 if dtype == torch.float16 else 1e-5
+    for sub in (0, 1, 2):
+        h = texperts.gate_up(x, w13, None, al, k, cfg, sub=sub)
+        assert_close(h[where].double().cpu(), want_h[real], tol, f"h, sub={sub}")
+        y = texperts.down(h, w2, None, al, weights, cfg, tiles_n=1, sub=sub)
+        assert torch.equal(texperts.down(h, w2, None, al, weights, cfg, tiles_n=2, sub=sub), y)
+        want_y = weights.double().cpu() * torch.einsum("mi,mhi->mh", h[where].double().cpu()[torch.argsort(real)],
+                                                       w2d[ids[:, 0].long().cpu()])
+        assert_close(y.double().cpu(), want_y, tol, f"y, sub={sub}")
+
+
+def test_sub_levels_rule():
+    assert [texperts.sub_levels(bm) for bm in (16, 32, 64, 128, 256)] == [0, 0, 0, 2, 2]

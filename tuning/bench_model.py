@@ -23,7 +23,9 @@ Benchmarks report; they never assert times. The probe's backend table is printed
 prefill and eager decode steps at B=1/16 (4096 context) under torch.profiler: device time per
 innermost range (façade op, projection, attention, MLP, layer glue, LM head; kernels are tied to
 their launching call through the trace's correlation ids, Triton launches included), host time per
-range, top kernels and top CPU ops, to ``model_profile[_TAG].json``. ``--timed`` adds the prefill
+range, top kernels and top CPU ops, to ``model_profile[_TAG].json``. ``--lag`` first records, without
+the profiler, when the GPU reaches each layer of those prefills vs when the host launched it
+(:func:`lag_trace`). ``--timed`` adds the prefill
 and decode rows above, ``--sdpa`` which SDPA kernel torch picks per attention shape and its cost.
 """
 
@@ -161,9 +163,15 @@ def fp32_agreement_rows(length: int) -> list[dict]:
         torch.cuda.empty_cache()
 
 
-def prefill_row(ours, n: int, t: int) -> dict:
-    gen = torch.Generator().manual_seed(2)
-    prompts = [torch.randint(0, WIDTH["vocab_size"], (t,), generator=gen).tolist() for _ in range(n)]
+def _prompts(n: int, t: int, seed: int, as_lists: bool = False) -> list:
+    """n random prompts of t tokens, as int32 arrays (the host copies them without a Python loop) or lists."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = [torch.randint(0, WIDTH["vocab_size"], (t,), generator=gen, dtype=torch.int32).numpy() for _ in range(n)]
+    return [r.tolist() for r in rows] if as_lists else rows
+
+
+def prefill_row(ours, n: int, t: int, as_lists: bool = False) -> dict:
+    prompts = _prompts(n, t, 2, as_lists)
 
     def run():
         slots = ours.allocate(n)
@@ -178,7 +186,7 @@ def prefill_row(ours, n: int, t: int) -> dict:
     hf = HF_PREFILL.get((n, t))
     return _bench.row("prefill", f"{n}x{t}", "bf16", ms, anchor="HF transformers 5.17 (issue 5)" if hf else None,
                       anchor_ms=n * t / hf * 1e3 if hf else None, tok_s=round(tok_s), target_tok_s=TARGET_PREFILL,
-                      meets_target=tok_s >= TARGET_PREFILL)
+                      meets_target=tok_s >= TARGET_PREFILL, tokens="lists of ints" if as_lists else "int32 arrays")
 
 
 def fill_context(ours, slots: list[int], ctx: int) -> None:
@@ -473,6 +481,73 @@ def print_profile(key: str, p: dict) -> None:
     sys.stdout.flush()
 
 
+def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
+    """Where the GPU waits for the host during one prefill step, without the profiler's own host cost.
+
+    An event is recorded (and the host clock read) at the start of the step, after the step layout, at
+    each layer, before the LM head and at the end. ``lead_ms`` at a marker = when the GPU reached it minus
+    when the host recorded it (both from the step's start, which the GPU reaches at once since it is
+    idle): near zero means the GPU had drained its queue and was waiting for the host there; growing
+    means the host is ahead. ``gpu_ms`` per segment includes any wait inside it. Median over ``reps`` steps.
+    """
+    prompts = _prompts(n, t, 3)
+    marks: list[tuple[str, float, torch.cuda.Event]] = []
+
+    def mark(label: str) -> None:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        marks.append((label, time.perf_counter(), ev))
+
+    def at_entry(label: str, fn):
+        def wrapped(*a, **kw):
+            mark(label)
+            return fn(*a, **kw)
+        return wrapped
+
+    def after(label: str, fn):
+        def wrapped(*a, **kw):
+            out = fn(*a, **kw)
+            mark(label)
+            return out
+        return wrapped
+
+    model = ours.model
+    for i, layer in enumerate(model.layers):
+        kind = "gdn" if layer.layer_type == "linear_attention" else "attn"
+        layer.forward = at_entry(f"layer {i} {kind}", layer.forward)
+    model.logits = at_entry("lm_head", model.logits)
+    ours._layout = after("layout done", ours._layout)
+    runs: list[list[tuple[str, float, float]]] = []
+    try:
+        for _ in range(reps + 2):
+            marks.clear()
+            slots = ours.allocate(n)
+            torch.cuda.synchronize()
+            mark("start")
+            try:
+                ours.step(slots, prompts)
+            finally:
+                ours.release(slots)
+            mark("end")
+            torch.cuda.synchronize()
+            h0, e0 = marks[0][1], marks[0][2]
+            runs.append([(lab, (h - h0) * 1e3, e0.elapsed_time(ev)) for lab, h, ev in marks])
+    finally:
+        for obj in [ours, model] + list(model.layers):
+            for attr in ("forward", "logits", "_layout"):
+                obj.__dict__.pop(attr, None)
+    runs = runs[2:]
+    rows = []
+    for j, (lab, _, _) in enumerate(runs[0]):
+        host = sorted(r[j][1] for r in runs)[len(runs) // 2]
+        gpu = sorted(r[j][2] for r in runs)[len(runs) // 2]
+        rows.append(dict(marker=lab, host_ms=round(host, 3), gpu_ms=round(gpu, 3), lead_ms=round(gpu - host, 3)))
+    for a, b in zip(rows, rows[1:], strict=False):
+        b["host_seg_ms"] = round(b["host_ms"] - a["host_ms"], 3)
+        b["gpu_seg_ms"] = round(b["gpu_ms"] - a["gpu_ms"], 3)
+    return dict(shape=f"{n}x{t}", reps=len(runs), markers=rows)
+
+
 def profile_main(args) -> int:
     """One prefill and a few eager decode steps under torch.profiler; kernel time per range and the
     top kernels / CPU ops, plus timed rows for prefill and decode (eager and CUDA graph)."""
@@ -484,17 +559,25 @@ def profile_main(args) -> int:
     print(f"built ours in {time.time() - t0:.1f}s", flush=True)
     meta = dict(layers=args.layers, width=WIDTH, tag=args.tag, check_values=os.environ.get("QWEN35_CHECK_VALUES"),
                 backends=probe.report("cuda")["ops"], weights="random (profile mode, no HF model)")
-    doc: dict = dict(meta=meta, profiles={}, timed=[], sdpa=[])
+    doc: dict = dict(meta=meta, profiles={}, timed=[], sdpa=[], lag=[])
     name = f"model_profile_{args.tag}" if args.tag else "model_profile"
 
     def save():
-        out = _bench.write_results(args.out, name, doc["timed"], dict(meta, profiles=doc["profiles"], sdpa=doc["sdpa"]))
+        out = _bench.write_results(args.out, name, doc["timed"],
+                                   dict(meta, profiles=doc["profiles"], sdpa=doc["sdpa"], lag=doc["lag"]))
         return out
 
-    gen = torch.Generator().manual_seed(2)
+    if args.lag:
+        for n, t in PROFILE_PREFILLS:
+            doc["lag"].append(lag_trace(ours, n, t))
+            print(f"[{time.time() - t0:.0f}s] lag trace prefill {n}x{t} (ms from the step's start):")
+            for r in doc["lag"][-1]["markers"]:
+                print(f"  {r['marker']:<14} host {r['host_ms']:8.3f} gpu {r['gpu_ms']:8.3f} lead {r['lead_ms']:8.3f}"
+                      f"  segment host {r.get('host_seg_ms', 0):7.3f} gpu {r.get('gpu_seg_ms', 0):7.3f}", flush=True)
+            save()
     undo = install_ranges(ours)
     for n, t in PROFILE_PREFILLS:
-        prompts = [torch.randint(0, WIDTH["vocab_size"], (t,), generator=gen).tolist() for _ in range(n)]
+        prompts = _prompts(n, t, 2)
 
         def prefill(n=n, prompts=prompts):
             slots = ours.allocate(n)
@@ -527,11 +610,11 @@ def profile_main(args) -> int:
     undo()
     if args.timed:
         ceil = _bench.ceilings()
-        for n, t in [(1, 8192), (8, 4096)]:
-            doc["timed"].append(prefill_row(ours, n, t))
+        for n, t, as_lists in [(1, 8192, False), (8, 4096, False), (1, 8192, True)]:
+            doc["timed"].append(prefill_row(ours, n, t, as_lists))
             save()
-            print(f"[{time.time() - t0:.0f}s] prefill {n}x{t}: {doc['timed'][-1]['ours_ms']} ms, "
-                  f"{doc['timed'][-1]['tok_s']} tok/s", flush=True)
+            print(f"[{time.time() - t0:.0f}s] prefill {n}x{t} ({doc['timed'][-1]['tokens']}): "
+                  f"{doc['timed'][-1]['ours_ms']} ms, {doc['timed'][-1]['tok_s']} tok/s", flush=True)
         for B in (1, 16, 64):
             doc["timed"] += decode_rows(ours, B, 4096, ceil["copy_GBps"])
             save()
@@ -563,6 +646,8 @@ def main(argv: list[str] | None = None) -> int:
                          "decode at B=1/16, written to model_profile[_TAG].json")
     ap.add_argument("--timed", action="store_true", help="with --profile: also time prefill and decode rows")
     ap.add_argument("--sdpa", action="store_true", help="with --profile: SDPA backend choice and cost per shape")
+    ap.add_argument("--lag", action="store_true", help="with --profile: first a lag trace of each profiled prefill "
+                    "(when the GPU reaches each layer vs when the host launched it; no profiler)")
     ap.add_argument("--tag", default="", help="with --profile: suffix of the JSON name")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

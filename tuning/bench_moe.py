@@ -175,6 +175,13 @@ def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
     return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()}
 
 
+def _record(rows: list[dict], r: dict, out: Path, stem: str) -> None:
+    """One sweep row: kept, printed, and the sweep's JSON rewritten (a killed run keeps what it measured)."""
+    rows.append(r)
+    print(r, flush=True)
+    _bench.write_results(out, f"{stem}_{_config_slug()}", rows)
+
+
 def down_flat_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
     """The down GEMM alone (graph replay) with 1, 2, 4, ... column tiles per program (``TILES_N``, a flat loop
     over (tile, K step)): the tiles' K loops are short (I = 128..1024), so per-tile fill and index loads count."""
@@ -201,9 +208,53 @@ def down_flat_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
                 except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record and go on
                     r = dict(sweep="down_tiles_n", shape=f"{name} M={M}", tiles_n=tiles_n,
                              error=f"{type(e).__name__}: {str(e)[:200]}")
-                rows.append(r)
-                print(r, flush=True)
-                _bench.write_results(out, f"moe_down_flat_{_config_slug()}", rows)
+                _record(rows, r, out, "moe_down_flat")
+        torch.cuda.empty_cache()
+    return rows
+
+
+SUB_SWEEP_CONFIGS = {  # (gate_up, down) as (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the tuned 35B 4096 / 16384 ones
+    64: ((64, 256, 64, 8, 3), (64, 128, 64, 4, 4)),
+    128: ((128, 128, 64, 8, 4), (128, 256, 64, 8, 4)),
+}
+
+
+def sub_tiles_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
+    """gate_up and down (graph replay, shared expert fused as in the model) with and without the shorter tiles for
+    a group's short last block (``experts.sub_levels``), at 64- and 128-row blocks; with the padding they face."""
+    from kernels_triton.moe import align, config, experts, routing
+
+    rows = []
+    for name in shapes:
+        E, k, H, I = SHAPES[name]
+        w = _weights(E, H, I)
+        sw13, sw2, gate = w["shared"]
+        for M in ms:
+            x = _x(M, H)
+            logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
+            for bm, (up_t, down_t) in SUB_SWEEP_CONFIGS.items():
+                up_cfg, down_cfg = config.GemmConfig(*up_t), config.GemmConfig(*down_t)
+                weights, _, al = align.route_and_align(logits, n_splits, k, True, n_experts=E, n_local=E, block_m=bm,
+                                                       expert_map=None, gate=True, shared=True)
+                blocks = int(al.total_blocks.item())
+                full = (al.group_count.long() // bm).sum().item()
+                h = experts.gate_up(x, w["w13"], sw13, al, k + 1, up_cfg, sub=0)
+                want = experts.down(h, w["w2"], sw2, al, weights, down_cfg, sub=0)
+                for sub in sorted({0, experts.sub_levels(bm)}):
+                    up = functools.partial(experts.gate_up, x, w["w13"], sw13, al, k + 1, up_cfg, sub=sub)
+                    dn = functools.partial(experts.down, h, w["w2"], sw2, al, weights, down_cfg, sub=sub)
+                    try:
+                        got = experts.down(up(), w["w2"], sw2, al, weights, down_cfg, sub=sub)
+                        up_ms, down_ms = _gpu_ms(up, M), _gpu_ms(dn, M)
+                        r = dict(sweep="sub_tiles", shape=f"{name} M={M}", block_m=bm, sub=sub, gate_up_us=round(
+                            up_ms * 1e3, 1), down_us=round(down_ms * 1e3, 1), both_us=round((up_ms + down_ms) * 1e3, 1),
+                            blocks=blocks, full_blocks=full, real_rows=M * (k + 1),
+                            padded_pct=round(100 * (1 - M * (k + 1) / (blocks * bm)), 1),
+                            rel_vs_sub0=round(_rel(got, want), 6))
+                    except Exception as e:  # noqa: BLE001 - record and go on
+                        r = dict(sweep="sub_tiles", shape=f"{name} M={M}", block_m=bm, sub=sub,
+                                 error=f"{type(e).__name__}: {str(e)[:200]}")
+                    _record(rows, r, out, "moe_sub_tiles")
         torch.cuda.empty_cache()
     return rows
 
@@ -451,6 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
     ap.add_argument("--down-flat", action="store_true", help="sweep the down GEMM's column tiles per program")
+    ap.add_argument("--sub-tiles", action="store_true", help="gate_up/down with and without shorter tiles for short "
+                    "last blocks, at 64- and 128-row blocks")
     ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
                     help="also time each stage with the shared expert up to this many tokens")
     args = ap.parse_args(argv)
@@ -461,6 +514,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.down_flat:
         down_flat_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1024, 4096, 16384])
+        return 0
+    if args.sub_tiles:
+        sub_tiles_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [2048, 4096, 8192, 16384])
         return 0
     if args.tune:
         ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else TUNE_MS)

@@ -28,6 +28,7 @@ import functools
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -68,13 +69,18 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *,
     signature (the result of the op does not depend on it beyond rounding). The table goes to the
     device from pinned memory: a copy from pageable memory would wait for the work queued before it.
     """
-    bounds = []
-    offsets = cu_seqlens.tolist() if offsets is None else offsets
-    for start, end in zip(offsets[:-1], offsets[1:], strict=True):
-        bounds += [(s, min(s + CHUNK, end)) for s in range(start, end, CHUNK)]
-    table = torch.tensor(bounds or [(0, 0)], dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
+    offs = np.asarray(cu_seqlens.tolist() if offsets is None else offsets, dtype=np.int64)
+    counts = -(-(offs[1:] - offs[:-1]) // CHUNK)  # chunks per sequence (none for an empty one)
+    n = int(counts.sum())
+    seq = np.repeat(np.arange(counts.size), counts)  # sequence of each chunk
+    starts = offs[:-1][seq] + (np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)) * CHUNK
+    table = torch.zeros(max(n, 1), 2, dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
+    if n:
+        rows = table.numpy()
+        rows[:, 0] = starts
+        rows[:, 1] = np.minimum(starts + CHUNK, offs[1:][seq])
     table = table.to(cu_seqlens.device, non_blocking=True)
-    return GdnChunkMetadata(table, len(bounds), CHUNK, cu_seqlens, cu_seqlens._version)
+    return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, cu_seqlens._version)
 
 
 def _chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, int]:

@@ -26,15 +26,21 @@ from kernels_triton.moe.routing import cdiv, pow2
 
 
 @triton.jit
-def _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M: tl.constexpr):
-    """(group, aligned row indices, which rows are real slots, slot ids) of one aligned block."""
+def _block_group(block, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M: tl.constexpr):
+    """(group, first aligned row of the group, real slots in the group, real rows in this block) of one block."""
     group = tl.load(block_group_ptr + block)
     start = tl.load(group_start_ptr + group)
     count = tl.load(group_count_ptr + group)
-    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
+    return group, start, count, tl.minimum(count - (block * BLOCK_M - start), BLOCK_M)
+
+
+@triton.jit
+def _tile_rows(row0, start, count, sorted_ptr, BM: tl.constexpr):
+    """(aligned row indices, which rows are real slots, slot ids) of the BM rows from ``row0``."""
+    rows = row0 + tl.arange(0, BM)
     real = rows - start < count
     slots = tl.load(sorted_ptr + rows, mask=real, other=0)  # padding rows read slot 0: valid memory, never stored
-    return group, rows, real, slots
+    return rows, real, slots
 
 
 @triton.jit
@@ -48,26 +54,19 @@ def _expert_weights(w_ptr, shared_w_ptr, group, expert_numel, E_LOCAL, HAS_SHARE
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
-                    total_blocks_ptr, h_ptr, H, I, SLOTS, E_LOCAL, HAS_SHARED: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(I, BLOCK_N)
-    block, tile_n = pid // n_tiles, pid % n_tiles
-    if block >= tl.load(total_blocks_ptr):
-        return
-    group, rows, real, slots = _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
-                                           BLOCK_M)
-    w_base = _expert_weights(w_ptr, shared_w_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
+def _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BM: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """One BM x BLOCK_N tile of h (both halves, SiLU-mul epilogue) for the aligned rows from ``row0``."""
+    rows, real, slots = _tile_rows(row0, start, count, sorted_ptr, BM)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + (slots // SLOTS).to(tl.int64)[:, None] * H + ks[None, :]  # gather the tokens' rows
     g_ptrs = w_base + cols[None, :] * H + ks[:, None]  # [BLOCK_K, BLOCK_N] view of the gate rows
     u_ptrs = g_ptrs + I * H  # the up rows follow the gate rows
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         if EVEN_K and EVEN_N:
             a = tl.load(a_ptrs)
@@ -93,6 +92,35 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, gro
 
 
 @triton.jit
+def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
+                    total_blocks_ptr, h_ptr, H, I, SLOTS, E_LOCAL, HAS_SHARED: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SUB_LEVELS: tl.constexpr = 0):
+    """One aligned block times one column tile. With SUB_LEVELS, a group's last block holding at most
+    BLOCK_M / 2 (/ 4 with two levels) real rows runs a tile of that height: its padding rows cost no MMA work."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(I, BLOCK_N)
+    block, tile_n = pid // n_tiles, pid % n_tiles
+    if block >= tl.load(total_blocks_ptr):
+        return
+    group, start, count, n_real = _block_group(block, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M)
+    w_base = _expert_weights(w_ptr, shared_w_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
+    row0 = block * BLOCK_M
+    if SUB_LEVELS >= 2:
+        if n_real <= BLOCK_M // 4:
+            _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BLOCK_M // 4,
+                          BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE)
+            return
+    if SUB_LEVELS >= 1:
+        if n_real <= BLOCK_M // 2:
+            _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BLOCK_M // 2,
+                          BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE)
+            return
+    _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BLOCK_M,
+                  BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE)
+
+
+@triton.jit
 def _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN: tl.constexpr, IEEE: tl.constexpr):
     """One K step of the down GEMM: ``acc += h[rows, k0:k0+BK] @ W2[cols, k0:k0+BK]^T`` (masked unless EVEN)."""
     if EVEN:
@@ -111,8 +139,9 @@ def _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN: tl.constexpr, IEEE:
 def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                  total_blocks_ptr, weights_ptr, y_ptr, H, I, E_LOCAL, HAS_SHARED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr = 1):
-    """One aligned block times TILES_N column tiles of its expert's W2.
+                 EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr = 1,
+                 SUB_LEVELS: tl.constexpr = 0):
+    """One aligned block times TILES_N column tiles of its expert's W2 (SUB_LEVELS: as in the gate_up kernel).
 
     TILES_N > 1 runs the tiles' K loops as one flat loop (the epilogue of a tile inside it), so the
     pipelined loads of the next tile start while the current one finishes, and the block's index loads
@@ -125,52 +154,64 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
     block, tile_n = pid // n_groups, (pid % n_groups) * TILES_N
     if block >= tl.load(total_blocks_ptr):
         return
-    group, rows, real, slots = _block_rows(block, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
-                                           BLOCK_M)
+    group, start, count, n_real = _block_group(block, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M)
     w_base = _expert_weights(w_ptr, shared_w_ptr, group, H * I, E_LOCAL, HAS_SHARED)
-    if TILES_N > 1:
-        _down_tiles_flat(h_ptr, w_base, weights_ptr, y_ptr, rows, real, slots, tile_n, n_tiles, H, I,
-                         BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N)
-        return
-    cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < H
-    ks = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + ks[None, :]
-    b_ptrs = w_base + cols[None, :] * I + ks[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        acc = _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN_K and EVEN_N, IEEE)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
-    weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
-    out = acc * weight[:, None]
-    y_ptrs = y_ptr + slots.to(tl.int64)[:, None] * H + cols[None, :]
-    tl.store(y_ptrs, out.to(y_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+    row0 = block * BLOCK_M
+    if SUB_LEVELS >= 2:
+        if n_real <= BLOCK_M // 4:
+            _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile_n, n_tiles, H, I,
+                        BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N)
+            return
+    if SUB_LEVELS >= 1:
+        if n_real <= BLOCK_M // 2:
+            _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile_n, n_tiles, H, I,
+                        BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N)
+            return
+    _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile_n, n_tiles, H, I,
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N)
 
 
 @triton.jit
-def _down_tiles_flat(h_ptr, w_base, weights_ptr, y_ptr, rows, real, slots, tile0, n_tiles, H, I,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr):
-    """Column tiles ``tile0 ..`` (at most TILES_N) of one block: one loop over (tile, K step) pairs; a tile's
-    result is scaled and stored at its last K step. Same K order per tile as the one-tile loop: same bits."""
-    n_k = tl.cdiv(I, BLOCK_K)
-    steps = tl.minimum(n_tiles - tile0, TILES_N) * n_k
+def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile0, n_tiles, H, I,
+                BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr):
+    """Column tiles ``tile0 ..`` (at most TILES_N) of the BM aligned rows from ``row0``.
+
+    One tile: a plain K loop. Several: one loop over (tile, K step) pairs; a tile's result is scaled and stored
+    at its last K step. Same K order per tile as the one-tile loop: same bits."""
+    rows, real, slots = _tile_rows(row0, start, count, sorted_ptr, BM)
     ks = tl.arange(0, BLOCK_K)
     a_rows = h_ptr + rows.to(tl.int64)[:, None] * I
     y_rows = y_ptr + slots.to(tl.int64)[:, None] * H
-    weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for it in range(0, steps):
-        t = it // n_k
-        k0 = (it - t * n_k) * BLOCK_K
-        cols = (tile0 + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-        acc = _down_step(a_rows + (k0 + ks)[None, :], w_base + cols[None, :] * I + (k0 + ks)[:, None], acc, k0, ks,
-                         I, cols < H, EVEN_K and EVEN_N, IEEE)
-        if k0 + BLOCK_K >= I:  # this tile's last K step: epilogue, then start the next tile from zero
-            out = acc * weight[:, None]
-            tl.store(y_rows + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=real[:, None] & (cols < H)[None, :])
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if TILES_N == 1:
+        cols = tile0 * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < H
+        a_ptrs = a_rows + ks[None, :]
+        b_ptrs = w_base + cols[None, :] * I + ks[:, None]
+        acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            acc = _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN_K and EVEN_N, IEEE)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
+        weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
+        out = acc * weight[:, None]
+        tl.store(y_rows + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+    else:
+        n_k = tl.cdiv(I, BLOCK_K)
+        steps = tl.minimum(n_tiles - tile0, TILES_N) * n_k
+        weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
+        acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        for it in range(0, steps):
+            t = it // n_k
+            k0 = (it - t * n_k) * BLOCK_K
+            cols = (tile0 + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+            acc = _down_step(a_rows + (k0 + ks)[None, :], w_base + cols[None, :] * I + (k0 + ks)[:, None], acc, k0,
+                             ks, I, cols < H, EVEN_K and EVEN_N, IEEE)
+            if k0 + BLOCK_K >= I:  # this tile's last K step: epilogue, then start the next tile from zero
+                out = acc * weight[:, None]
+                tl.store(y_rows + cols[None, :], out.to(y_ptr.dtype.element_ty),
+                         mask=real[:, None] & (cols < H)[None, :])
+                acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
@@ -195,9 +236,29 @@ _launch_down = DirectLauncher(_down_kernel)
 _launch_combine = DirectLauncher(_combine_kernel)
 
 
+SUB_TILES = True  # benchmarks switch this off to measure the gain
+
+
+def sub_levels(block_m: int) -> int:
+    """How many times a block may halve its tile when it holds few real rows (128-row blocks: 64 and 32 rows).
+
+    Each expert's group is padded to a multiple of BLOCK_M, and its last block is often mostly padding (35B at
+    2048-8192 tokens: ~64-256 slots per expert, spread by a few tens). A block with at most BLOCK_M / 2 (/ 4)
+    real rows runs a tile of that height instead: the same weight tiles are read, a half (a quarter) of the MMA
+    work is done. H200 (``bench_moe --sub-tiles``, gate_up + down with the shared expert, µs): 35B M=4096
+    724 -> 652, M=8192 1153 -> 1078, M=16384 1967 -> 1894; 122B M=4096 2062 -> 1864; 397B-TP8 M=8192 1074 -> 988.
+    64-row blocks lost with a 32-row level (35B M=8192 1183 -> 1230), so they keep one tile height.
+    """
+    if not SUB_TILES or block_m < 128:
+        return 0
+    return 2
+
+
 def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None, al: Alignment, slots: int,
-            cfg: GemmConfig) -> torch.Tensor:
-    """``h`` ``[max_blocks * BLOCK_M, I]`` in aligned row order (padding rows unwritten)."""
+            cfg: GemmConfig, sub: int | None = None) -> torch.Tensor:
+    """``h`` ``[max_blocks * BLOCK_M, I]`` in aligned row order (padding rows unwritten).
+
+    ``sub``: tile-halving levels for a group's last block (default :func:`sub_levels`)."""
     H, I = x.shape[1], w13.shape[1] // 2
     h = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=x.device)
     grid = (al.max_blocks * cdiv(I, cfg.BLOCK_N),)
@@ -205,8 +266,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None,
         x, w13, shared_w13 if shared_w13 is not None else w13, al.sorted_slots, al.block_group, al.group_start,
         al.group_count, al.total_blocks, h, H, I, slots, w13.shape[0], HAS_SHARED=shared_w13 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=H % cfg.BLOCK_K == 0,
-        EVEN_N=I % cfg.BLOCK_N == 0, IEEE=x.dtype == torch.float32, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        EVEN_N=I % cfg.BLOCK_N == 0, IEEE=x.dtype == torch.float32,
+        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return h
 
 
@@ -224,10 +285,11 @@ def down_tiles_per_program(cfg: GemmConfig, H: int, I: int) -> int:
 
 
 def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: Alignment, weights: torch.Tensor,
-         cfg: GemmConfig, tiles_n: int | None = None) -> torch.Tensor:
+         cfg: GemmConfig, tiles_n: int | None = None, sub: int | None = None) -> torch.Tensor:
     """``y`` ``[M * slots, H]``: each kept slot's expert output times its router weight (dropped rows unwritten).
 
     ``tiles_n``: column tiles per program (default :func:`down_tiles_per_program`); any value gives the same bits.
+    ``sub``: as in :func:`gate_up`.
     """
     H, I = w2.shape[1], w2.shape[2]
     y = torch.empty(weights.numel(), H, dtype=h.dtype, device=h.device)
@@ -238,8 +300,8 @@ def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: 
         h, w2, shared_w2 if shared_w2 is not None else w2, al.sorted_slots, al.block_group, al.group_start,
         al.group_count, al.total_blocks, weights, y, H, I, w2.shape[0], HAS_SHARED=shared_w2 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
-        EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32, TILES_N=tiles_n, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32, TILES_N=tiles_n,
+        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
