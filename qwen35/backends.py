@@ -26,6 +26,8 @@ OPS: tuple[str, ...] = (
     "moe_experts",
     "moe_block",
     "attention_decode",
+    "qk_norm_rope",
+    "sigmoid_gate_mul",
 )
 
 

@@ -197,7 +197,8 @@ class VocabEmbedding(nn.Module):
 
 
 class Rotary:
-    """Partial NeoX-style RoPE on the first ``rotary_dim`` dims of each head.
+    """Partial NeoX-style RoPE on the first ``rotary_dim`` dims of each head: the angles here, the rotation in
+    :func:`qwen35.ops.qk_norm_rope`.
 
     Text-only inputs give all three mrope position rows the same value, so the interleaved mrope
     of the multimodal checkpoints reduces to this plain RoPE.
@@ -216,19 +217,12 @@ class Rotary:
         freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
         return freqs.cos(), freqs.sin()
 
-    def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x ``[T, heads, D]``, rotated in place on its first ``dim`` dims (halves paired, fp32 math); returns x."""
-        half = self.dim // 2
-        x1, x2 = x[..., :half].float(), x[..., half:self.dim].float()
-        c, s = cos[:, None, :], sin[:, None, :]
-        x[..., :half], x[..., half:self.dim] = x1 * c - x2 * s, x2 * c + x1 * s
-        return x
-
 
 class _StepRope:
-    """``(rotary, cos, sin)`` of one step, unpacked by the attention layers; cos/sin are computed when the first
-    one does. A prefill's first layers are GDN layers: its first launches are then their work, not these small
-    kernels, while the device still waits for the step's first kernels."""
+    """``(rotary, cos, sin)`` of one step, unpacked by the attention layers (which rotate q and k with
+    :func:`qwen35.ops.qk_norm_rope`); cos/sin are computed when the first one does. A prefill's first layers
+    are GDN layers: its first launches are then their work, not these small kernels, while the device still
+    waits for the step's first kernels."""
 
     def __init__(self, rotary: Rotary, positions: torch.Tensor):
         self.rotary, self.positions = rotary, positions
@@ -376,14 +370,13 @@ class GatedAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[Rotary, torch.Tensor, torch.Tensor] | _StepRope) -> torch.Tensor:
         T = x.shape[0]
         qg, k, v = self.qkv_proj(x).split(self.splits, dim=-1)
-        q, gate = qg.reshape(T, self.H, 2 * self.D).chunk(2, dim=-1)
-        q = ops.rms_norm_zero_centered(q.contiguous(), self.q_norm_weight, self.eps)
-        k = ops.rms_norm_zero_centered(k.reshape(T, self.KV, self.D).contiguous(), self.k_norm_weight, self.eps)
-        rotary, cos, sin = rope
-        q, k = rotary.apply_(q, cos, sin), rotary.apply_(k, cos, sin)  # q, k are the norms' fresh outputs
-        o = self.attn(q.reshape(T, -1), k.reshape(T, -1), v.contiguous())
-        o = o.view(T, self.H, self.D).mul_(torch.sigmoid(gate))
-        return self.o_proj(o.reshape(T, -1))
+        q, gate = qg.reshape(T, self.H, 2 * self.D).chunk(2, dim=-1)  # strided views of the projection
+        _, cos, sin = rope
+        q, k = ops.qk_norm_rope(q, k.reshape(T, self.KV, self.D), self.q_norm_weight, self.k_norm_weight, cos, sin,
+                                self.eps)
+        o = self.attn(q.view(T, -1), k.view(T, -1), v.contiguous())
+        o = ops.sigmoid_gate_mul(o.view(T, self.H, self.D), gate)
+        return self.o_proj(o.view(T, -1))
 
 
 # ----------------------------------------------------------------------------- MLPs

@@ -69,6 +69,8 @@ __all__ = [
     "moe_experts",
     "moe_block",
     "attention_decode",
+    "qk_norm_rope",
+    "sigmoid_gate_mul",
     "prepare_gdn_metadata",
     "host_built_inputs",
     "MAX_SPEC_TOKENS",
@@ -587,6 +589,50 @@ def attention_decode(
             bad = lo if lo < 0 else top
             raise ValueError(f"lengths holds {bad}; each row attends to 0..{L} keys (the caches hold L={L})")
     return _impl("attention_decode", q)(q, k_cache, v_cache, slots=slots, lengths=lengths, scale=scale)
+
+
+def _heads_view(name: str, x: torch.Tensor, dev=None) -> None:  # noqa: ANN001
+    chk.tensor(name, x, ndim=3, device=dev, contiguous=False)
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        raise ValueError(f"{name} has strides {list(x.stride())}; its last dim (head_dim) must be contiguous")
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 cos: torch.Tensor, sin: torch.Tensor, eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention layer's q/k preparation: every head of q ``[T, Hq, D]`` and k ``[T, Hk, D]`` normalised
+    (zero-centred RMSNorm, ``q_weight`` / ``k_weight`` ``[D]``), then its first ``R = 2 * cos.shape[-1]`` dims
+    rotated NeoX-style (halves ``x1 = y[:R/2]``, ``x2 = y[R/2:R]`` -> ``x1 c - x2 s``, ``x2 c + x1 s``; the other
+    dims pass), all in fp32. cos, sin ``[T, R/2]`` fp32. q and k may be strided views (last dim contiguous,
+    e.g. column slices of the QKV projection); returns new contiguous (q, k) in their dtype.
+    """
+    _heads_view("q", q)
+    dev = q.device
+    _heads_view("k", k, dev)
+    _activation_dtype(("q", q), ("k", k))
+    T, _, D = q.shape
+    chk.shape("k", k, [T, None, D])
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        chk.tensor(name, w, ndim=1, device=dev)
+        chk.shape(name, w, [D])
+    for name, t in (("cos", cos), ("sin", sin)):
+        chk.tensor(name, t, ndim=2, device=dev, dtypes=(torch.float32, torch.float64))
+        chk.shape(name, t, [T, None])
+    chk.shape("sin", sin, list(cos.shape))
+    if 2 * cos.shape[1] > D:
+        raise ValueError(f"cos has {cos.shape[1]} columns: rotating {2 * cos.shape[1]} dims needs head_dim >= "
+                         f"that, got {D}")
+    _eps(eps)
+    return _impl("qk_norm_rope", q)(q, k, q_weight, k_weight, cos, sin, eps)
+
+
+def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """The attention output gate: ``x * sigmoid(gate)`` in fp32, both ``[T, H, D]`` (strided views allowed, last dim
+    contiguous), returned contiguous in x's dtype."""
+    _heads_view("x", x)
+    _heads_view("gate", gate, x.device)
+    _activation_dtype(("x", x), ("gate", gate))
+    chk.shape("gate", gate, list(x.shape))
+    return _impl("sigmoid_gate_mul", x)(x, gate)
 
 
 def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *,

@@ -166,6 +166,23 @@ def _attention_decode_case(device, dtype, gen) -> Case:
     ))
 
 
+def _qk_norm_rope_case(device, dtype, gen) -> Case:
+    T, HQ, HK, D, half = 5, 6, 2, 64, 16  # q and k: column slices of one projection (strided, as in the model)
+    proj = _rand(gen, T, (2 * HQ + 2 * HK) * D, dtype=dtype, device=device)
+    q = proj[:, :2 * HQ * D].view(T, HQ, 2 * D)[..., :D]
+    k = proj[:, 2 * HQ * D:(2 * HQ + HK) * D].view(T, HK, D)
+    angles = torch.rand(T, half, generator=gen) * 6.0
+    return Case(dict(q=q, k=k, q_weight=_rand(gen, D, dtype=dtype, device=device, scale=0.1),
+                     k_weight=_rand(gen, D, dtype=dtype, device=device, scale=0.1),
+                     cos=angles.cos().to(device), sin=angles.sin().to(device), eps=1e-6))
+
+
+def _gate_case(device, dtype, gen) -> Case:
+    T, H, D = 5, 3, 64
+    gate = _rand(gen, T, H, 2 * D, dtype=dtype, device=device)[..., D:]
+    return Case(dict(x=_rand(gen, T, H, D, dtype=dtype, device=device), gate=gate))
+
+
 CASES: dict[str, Callable[[torch.device, torch.dtype, torch.Generator], Case]] = {
     "gdn_chunk_prefill": _gdn_prefill_case,
     "gdn_recurrent_step": _gdn_step_case,
@@ -177,6 +194,8 @@ CASES: dict[str, Callable[[torch.device, torch.dtype, torch.Generator], Case]] =
     "moe_experts": _moe_experts_case,
     "moe_block": _moe_block_case,
     "attention_decode": _attention_decode_case,
+    "qk_norm_rope": _qk_norm_rope_case,
+    "sigmoid_gate_mul": _gate_case,
 }
 
 

@@ -77,3 +77,9 @@ def run_without_interpreter(code: str, timeout: int = 600):
     env["PYTHONPATH"] = os.pathsep.join([os.path.join(root, "tests"), root, env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
                           timeout=timeout)
+
+
+def assert_builds(code: str) -> None:
+    """``code`` (kernel builds, ending in ``print("built")``) runs to completion without the interpreter."""
+    proc = run_without_interpreter(code)
+    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]

@@ -215,14 +215,9 @@ print("built")
 def test_plane_kernels_build_for_hopper_with_the_row_kernels_memory_accesses():
     """The plane-layout conv kernels compile for sm_90 with the same global loads and stores (vector widths
     included) as the row-layout ones, when the plane bounds are 16-divisible as in the model."""
-    import subprocess
-    import sys
+    from helpers import assert_builds
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _PLANES_BUILD], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=600)
-    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+    assert_builds(_PLANES_BUILD)
 
 
 # ----------------------------------------------------------------------------- norms

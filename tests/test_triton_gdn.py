@@ -351,14 +351,9 @@ print("built")
 def test_kernels_build_for_hopper():
     """GDN, conv and norm kernels compile to sm_90 code with Triton's bundled ptxas, no GPU needed
     (the interpreter checks numbers; this checks layouts, dot shapes and register allocation)."""
-    import subprocess
-    import sys
+    from helpers import assert_builds
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _HOPPER_BUILD], capture_output=True, text=True, env=env, cwd=root,
-                          timeout=600)
-    assert proc.returncode == 0 and "built" in proc.stdout, proc.stderr[-3000:]
+    assert_builds(_HOPPER_BUILD)
 
 
 def test_diagonal_rows_outside_the_accepted_set_are_refused():

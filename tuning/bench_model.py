@@ -325,14 +325,16 @@ def install_ranges(ours):
     model.embed_tokens.forward = _ranged("embed", model.embed_tokens.forward)
     model.logits = _ranged("lm_head", model.logits)
     ours._layout = _ranged("host:layout", ours._layout)
-    patched = [ours, model, model.embed_tokens] + [m for layer in model.layers for m in
+    defer = ours.host.defer
+    ours.host.defer = lambda finish: defer(_ranged("host:layout rest", finish))  # built when a layer first asks
+    patched = [ours, ours.host, model, model.embed_tokens] + [m for layer in model.layers for m in
                                                     (layer, layer.mlp, *layer.mixer.children())]
 
     def undo() -> None:
         for op, fn in saved_ops.items():
             setattr(ops, op, fn)
         for obj in patched:
-            for attr in ("forward", "logits", "_layout"):
+            for attr in ("forward", "logits", "_layout", "defer"):
                 obj.__dict__.pop(attr, None)
     return undo
 
@@ -484,8 +486,9 @@ def print_profile(key: str, p: dict) -> None:
 def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
     """Where the GPU waits for the host during one prefill step, without the profiler's own host cost.
 
-    An event is recorded (and the host clock read) at the start of the step, after the step layout, at
-    each layer, before the LM head and at the end. ``lead_ms`` at a marker = when the GPU reached it minus
+    An event is recorded (and the host clock read) at the start of the step, once the token ids are sent, at
+    each layer, once the rest of the layout is built (inside the first layer that asks for it), before the LM
+    head and at the end. ``lead_ms`` at a marker = when the GPU reached it minus
     when the host recorded it (both from the step's start, which the GPU reaches at once since it is
     idle): near zero means the GPU had drained its queue and was waiting for the host there; growing
     means the host is ahead. ``gpu_ms`` per segment includes any wait inside it. Median over ``reps`` steps.
@@ -516,7 +519,9 @@ def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
         kind = "gdn" if layer.layer_type == "linear_attention" else "attn"
         layer.forward = at_entry(f"layer {i} {kind}", layer.forward)
     model.logits = at_entry("lm_head", model.logits)
-    ours._layout = after("layout done", ours._layout)
+    ours._layout = after("ids sent", ours._layout)
+    defer = ours.host.defer
+    ours.host.defer = lambda finish: defer(after("layout rest", finish))
     runs: list[list[tuple[str, float, float]]] = []
     try:
         for _ in range(reps + 2):
@@ -533,8 +538,8 @@ def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
             h0, e0 = marks[0][1], marks[0][2]
             runs.append([(lab, (h - h0) * 1e3, e0.elapsed_time(ev)) for lab, h, ev in marks])
     finally:
-        for obj in [ours, model] + list(model.layers):
-            for attr in ("forward", "logits", "_layout"):
+        for obj in [ours, ours.host, model] + list(model.layers):
+            for attr in ("forward", "logits", "_layout", "defer"):
                 obj.__dict__.pop(attr, None)
     runs = runs[2:]
     rows = []
