@@ -487,7 +487,8 @@ def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
     """Where the GPU waits for the host during one prefill step, without the profiler's own host cost.
 
     An event is recorded (and the host clock read) at the start of the step, once the token ids are sent, at
-    each layer, once the rest of the layout is built (inside the first layer that asks for it), before the LM
+    each layer, when the first GDN layer's core starts (its norm and input projections are queued by then),
+    before and after the rest of the layout is built (inside the first layer that asks for it), before the LM
     head and at the end. ``lead_ms`` at a marker = when the GPU reached it minus
     when the host recorded it (both from the step's start, which the GPU reaches at once since it is
     idle): near zero means the GPU had drained its queue and was waiting for the host there; growing
@@ -521,7 +522,10 @@ def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
     model.logits = at_entry("lm_head", model.logits)
     ours._layout = after("ids sent", ours._layout)
     defer = ours.host.defer
-    ours.host.defer = lambda finish: defer(after("layout rest", finish))
+    ours.host.defer = lambda finish: defer(at_entry("layout rest: start", after("layout rest", finish)))
+    first_gdn = next((layer.mixer.state for layer in model.layers if layer.layer_type == "linear_attention"), None)
+    if first_gdn is not None:  # layer 0's norm and input projections are queued when its core starts
+        first_gdn.run = at_entry("gdn core (first)", first_gdn.run)
     runs: list[list[tuple[str, float, float]]] = []
     try:
         for _ in range(reps + 2):
@@ -538,8 +542,8 @@ def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
             h0, e0 = marks[0][1], marks[0][2]
             runs.append([(lab, (h - h0) * 1e3, e0.elapsed_time(ev)) for lab, h, ev in marks])
     finally:
-        for obj in [ours, ours.host, model] + list(model.layers):
-            for attr in ("forward", "logits", "_layout", "defer"):
+        for obj in [ours, ours.host, model, *model.layers, *([first_gdn] if first_gdn is not None else [])]:
+            for attr in ("forward", "logits", "_layout", "defer", "run"):
                 obj.__dict__.pop(attr, None)
     runs = runs[2:]
     rows = []
