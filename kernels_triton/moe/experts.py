@@ -236,9 +236,6 @@ _launch_down = DirectLauncher(_down_kernel)
 _launch_combine = DirectLauncher(_combine_kernel)
 
 
-SUB_TILES = True  # benchmarks switch this off to measure the gain
-
-
 def sub_levels(block_m: int) -> int:
     """How many times a block may halve its tile when it holds few real rows (128-row blocks: 64 and 32 rows).
 
@@ -247,11 +244,10 @@ def sub_levels(block_m: int) -> int:
     real rows runs a tile of that height instead: the same weight tiles are read, a half (a quarter) of the MMA
     work is done. H200 (``bench_moe --sub-tiles``, gate_up + down with the shared expert, µs): 35B M=4096
     724 -> 652, M=8192 1153 -> 1078, M=16384 1967 -> 1894; 122B M=4096 2062 -> 1864; 397B-TP8 M=8192 1074 -> 988.
-    64-row blocks lost with a 32-row level (35B M=8192 1183 -> 1230), so they keep one tile height.
+    64-row blocks lost with a 32-row level (35B M=8192 1183 -> 1230), so they keep one tile height. The expert
+    GEMMs take ``sub=`` to override this (``bench_moe --sub-tiles`` times both).
     """
-    if not SUB_TILES or block_m < 128:
-        return 0
-    return 2
+    return 2 if block_m >= 128 else 0
 
 
 def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None, al: Alignment, slots: int,
