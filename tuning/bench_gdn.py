@@ -120,8 +120,12 @@ def kernel_times_ms(fn, calls: int = 3) -> dict[str, float]:
 
 
 def bench_prefill(fla, args, ceil: dict, rows: list[dict], deadline: float, save=lambda: None) -> None:
+    """Every shape timed first, the per-kernel breakdowns (torch.profiler) after: a CUDA-activity profile leaves
+    CUPTI attached for the rest of the process (Kineto detaches it only with TEARDOWN_CUPTI=1), which would slow
+    every launch timed after it."""
     import kernels_triton as kt
 
+    pending: list[tuple[dict, list[int], int, int, bool]] = []
     for hname, (H, HV) in HEADS.items():
         for si, (sname, lens) in enumerate(PREFILL_SHAPES.items()):
             if args.quick and sname not in ("1x8192", "1x32768", "8x4096"):
@@ -132,13 +136,11 @@ def bench_prefill(fla, args, ceil: dict, rows: list[dict], deadline: float, save
                 meta = kt.prepare_gdn_metadata(d["cu"])
                 ours = _ours_prefill(d, meta)
                 ours_ms = _bench.time_ms(ours)
-                kernels = kernel_times_ms(ours)
-                anchor_ms, anchor_kernels, source = None, None, None
+                anchor_ms, source = None, None
                 if fla is not None and time.time() < deadline:
                     try:
                         theirs = _fla_prefill(fla, d)
                         anchor_ms = _bench.time_ms(theirs)
-                        anchor_kernels = kernel_times_ms(theirs)
                         source = "fla measured"
                     except Exception as e:  # noqa: BLE001 - an anchor failure must not stop the table
                         source = f"fla failed: {type(e).__name__}: {str(e)[:200]}"
@@ -151,8 +153,9 @@ def bench_prefill(fla, args, ceil: dict, rows: list[dict], deadline: float, save
                     "gdn_chunk_prefill", f"{hname} H={H} HV={HV} {sname}", "bfloat16", ours_ms,
                     "fla.chunk_gated_delta_rule", anchor_ms, heads=hname, seqs=sname, T=T,
                     tokens_per_s=round(T / ours_ms * 1e3), tflops=round(tflops, 1),
-                    roofline_pct=round(100 * tflops / ceil["bf16_TFLOPs"], 1), ours_kernels_ms=kernels,
-                    anchor_kernels_ms=anchor_kernels, anchor_source=source))
+                    roofline_pct=round(100 * tflops / ceil["bf16_TFLOPs"], 1), ours_kernels_ms=None,
+                    anchor_kernels_ms=None, anchor_source=source))
+                pending.append((rows[-1], lens, H, HV, source == "fla measured"))
                 print(_line(rows[-1]), flush=True)
                 save()
                 del d, ours
@@ -161,6 +164,17 @@ def bench_prefill(fla, args, ceil: dict, rows: list[dict], deadline: float, save
                 rows.append(_bench.row("gdn_chunk_prefill", f"{hname} {sname}", "bfloat16", math.nan,
                                        error=f"{type(e).__name__}: {str(e)[:300]}"))
             torch.cuda.empty_cache()
+    for row, lens, H, HV, with_fla in pending:
+        try:
+            d = _prefill_inputs(lens, H, HV)
+            row["ours_kernels_ms"] = kernel_times_ms(_ours_prefill(d, kt.prepare_gdn_metadata(d["cu"])))
+            if with_fla:
+                row["anchor_kernels_ms"] = kernel_times_ms(_fla_prefill(fla, d))
+            del d
+        except Exception as e:  # noqa: BLE001 - the timings stand without their breakdown
+            row["kernels_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        save()
+        torch.cuda.empty_cache()
 
 
 def bench_host(fla, rows: list[dict], deadline: float) -> None:
@@ -482,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench_gdn", description=__doc__.split("\n")[0])
     parser.add_argument("--out", default="tuning/results", help="directory for gdn_<device>.json")
     parser.add_argument("--quick", action="store_true", help="a few shapes only")
-    parser.add_argument("--sweep", action="store_true", help="also time launch-config variants (gdn_sweep.json)")
+    parser.add_argument("--sweep", action="store_true", help="also time launch-config variants (gdn_sweep.json; "
+                        "its profiles leave CUPTI attached, so time the main rows in another process: --sweep-only)")
     parser.add_argument("--no-fla", action="store_true", help="skip the FLA anchor (DESIGN.md figures are used)")
     parser.add_argument("--fla-deadline", type=float, default=1e9,
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
