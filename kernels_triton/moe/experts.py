@@ -183,6 +183,7 @@ def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, coun
     ks = tl.arange(0, BLOCK_K)
     a_rows = h_ptr + rows.to(tl.int64)[:, None] * I
     y_rows = y_ptr + slots.to(tl.int64)[:, None] * H
+    weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
     if TILES_N == 1:
         cols = tile0 * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < H
@@ -193,13 +194,11 @@ def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, coun
             acc = _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN_K and EVEN_N, IEEE)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
-        weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
         out = acc * weight[:, None]
         tl.store(y_rows + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
     else:
         n_k = tl.cdiv(I, BLOCK_K)
         steps = tl.minimum(n_tiles - tile0, TILES_N) * n_k
-        weight = tl.load(weights_ptr + slots, mask=real, other=0.0)
         acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
         for it in range(0, steps):
             t = it // n_k
