@@ -11,6 +11,7 @@ from __future__ import annotations
 from kernels_triton.attention import attention_decode  # noqa: E402, F401
 from kernels_triton.attn_glue import qk_norm_rope, sigmoid_gate_mul  # noqa: E402, F401
 from kernels_triton.conv1d import causal_conv1d_prefill, causal_conv1d_update  # noqa: E402, F401
+from kernels_triton.gdn import chunk_table as gdn_chunk_table  # noqa: E402, F401
 from kernels_triton.gdn import gdn_chunk_prefill, gdn_recurrent_step, prepare_gdn_metadata  # noqa: E402, F401
 from kernels_triton.norms import rms_norm_gated, rms_norm_zero_centered  # noqa: E402, F401
 

@@ -284,7 +284,7 @@ class GatedDeltaNet(nn.Module):
                 plane.copy_(y[:, lo:hi])
             z, ba = y[:, c:c + zv].contiguous(), y[:, c + zv:]
         out = x.new_empty(T, self.HV, self.V)  # the core writes every row
-        self.state.run(self.core, qkv, ba[:, self.HV:].contiguous(), ba[:, :self.HV].contiguous(), out)
+        self.state.run(self.core, qkv, ba[:, self.HV:], ba[:, :self.HV], out)  # a, b: views, rows 2 HV apart
         out = ops.rms_norm_gated(out, z.view(T, self.HV, self.V), self.norm_weight, self.eps)
         return self.out_proj(out.view(T, -1))
 
@@ -332,19 +332,18 @@ class GatedDeltaNet(nn.Module):
         nd = step.num_decodes
         if nd:
             q, k, v = self._conv(qkv, planes, step, slice(0, nd), decode=True)
-            o = ops.gdn_recurrent_step(
+            ops.gdn_recurrent_step(
                 q[:, None], k[:, None], v[:, None], state_pool=step.state_pool, state_slots=step.decode_slots,
-                a=a[:nd, None], b=b[:nd, None], A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm=True)
-            out[:nd] = o[:, 0]
+                a=a[:nd, None], b=b[:nd, None], A_log=self.A_log, dt_bias=self.dt_bias, use_qk_l2norm=True,
+                out=out[:nd, None])
         if step.num_prefill_tokens:
             s, e = nd, nd + step.num_prefill_tokens
             q, k, v = self._conv(qkv, planes, step, slice(s, e), decode=False)
-            o, _ = ops.gdn_chunk_prefill(
+            ops.gdn_chunk_prefill(
                 q, k, v, a=a[s:e], b=b[s:e], A_log=self.A_log, dt_bias=self.dt_bias,
                 cu_seqlens=step.prefill_cu_seqlens, state_pool=step.state_pool, state_slots=step.prefill_slots,
                 has_initial_state=step.prefill_has_initial_state, use_qk_l2norm=True,
-                metadata=step.prefill_metadata)
-            out[s:e] = o
+                metadata=step.prefill_metadata, out=out[s:e])
         if nd + step.num_prefill_tokens < out.shape[0]:
             out[nd + step.num_prefill_tokens:].zero_()  # rows the host padded the batch with
 

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from qwen35 import _checks as chk
@@ -72,6 +73,7 @@ __all__ = [
     "qk_norm_rope",
     "sigmoid_gate_mul",
     "prepare_gdn_metadata",
+    "gdn_chunk_table",
     "host_built_inputs",
     "MAX_SPEC_TOKENS",
 ]
@@ -103,19 +105,37 @@ def _gating(T_shape: list[int], HV: int, device, g, beta, a, b, A_log, dt_bias) 
     if precomputed:
         if g is None or beta is None:
             raise ValueError("g and beta must be given together")
-        chk.tensor("g", g, device=device, dtypes=(torch.float32, torch.float64))
+        chk.tensor("g", g, device=device, dtypes=(torch.float32, torch.float64), contiguous=False)
         chk.shape("g", g, [*T_shape, HV])
-        chk.tensor("beta", beta, device=device)
+        chk.tensor("beta", beta, device=device, contiguous=False)
         chk.shape("beta", beta, [*T_shape, HV])
+        _unit_head_stride(("g", g), ("beta", beta))
     else:
         for name, t in (("a", a), ("b", b), ("A_log", A_log), ("dt_bias", dt_bias)):
             if t is None:
                 raise ValueError(f"{name} is missing; raw gating needs a, b, A_log and dt_bias")
-            chk.tensor(name, t, device=device)
+            chk.tensor(name, t, device=device, contiguous=name in ("A_log", "dt_bias"))
         chk.shape("a", a, [*T_shape, HV])
         chk.shape("b", b, [*T_shape, HV])
+        _unit_head_stride(("a", a), ("b", b))
         chk.shape("A_log", A_log, [HV])
         chk.shape("dt_bias", dt_bias, [HV])
+
+
+def _unit_head_stride(*named: tuple[str, torch.Tensor]) -> None:
+    """Gating tensors may be views into a wider buffer (the model's b | a projection columns), but each row's
+    HV values must be adjacent."""
+    for name, t in named:
+        if t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{name} must have its head values adjacent (stride 1 on the last dim); got shape "
+                             f"{tuple(t.shape)} stride {t.stride()}")
+
+
+def _out(out: torch.Tensor | None, shape: list[int], like: torch.Tensor) -> None:
+    """An optional output buffer: contiguous, ``shape``, the dtype and device of ``like``."""
+    if out is not None:
+        chk.tensor("out", out, device=like.device, dtypes=(like.dtype,))
+        chk.shape("out", out, shape)
 
 
 def _heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int]:
@@ -165,6 +185,7 @@ def gdn_chunk_prefill(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     metadata: object | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over whole prompts (chunked form), varlen.
 
@@ -176,6 +197,8 @@ def gdn_chunk_prefill(
     final states ``[N, HV, K, V]`` fp32 are returned when ``output_final_state``.
     ``metadata``: optional per-batch data from the chosen backend's ``prepare_gdn_metadata``
     (computed once per batch, shared by all layers); ``None`` is always accepted.
+    ``out``: optional ``[T, HV, V]`` contiguous tensor of q's dtype, not overlapping any input, that receives
+    ``o`` (a caller's buffer: no copy of the result); it is then the first result.
     Returns ``(o [T, HV, V] in q's dtype, final_state or None)``.
     """
     chk.tensor("q", q, ndim=3)
@@ -208,11 +231,12 @@ def gdn_chunk_prefill(
             chk.shape("has_initial_state", has_initial_state, [N])
     elif state_slots is not None or has_initial_state is not None:
         raise ValueError("state_slots / has_initial_state are only meaningful with state_pool")
+    _out(out, [T, HV, V], q)
     return _impl("gdn_chunk_prefill", q)(
         q, k, v, g=g, beta=beta, a=a, b=b, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu_seqlens,
         initial_state=initial_state, state_pool=state_pool, state_slots=state_slots,
         has_initial_state=has_initial_state, output_final_state=output_final_state, scale=scale,
-        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, metadata=metadata)
+        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, metadata=metadata, out=out)
 
 
 def gdn_recurrent_step(
@@ -230,11 +254,13 @@ def gdn_recurrent_step(
     dt_bias: torch.Tensor | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode: 1 <= T <= 8 new tokens for each of B sequences, recurrent form, state pool in place.
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; gating ``[B, T, HV]``; ``state_slots`` ``[B]``
-    (negative = padding row: state untouched, output zero). Returns o ``[B, T, HV, V]``.
+    (negative = padding row: state untouched, output zero). Returns o ``[B, T, HV, V]``: ``out`` when given
+    (contiguous, q's dtype, not overlapping any input).
     """
     chk.tensor("q", q, ndim=4)
     dev = q.device
@@ -250,9 +276,10 @@ def gdn_recurrent_step(
     _state_pool("state_pool", state_pool, dev, HV, K, V)
     chk.tensor("state_slots", state_slots, device=dev, dtypes=chk.INDEX_DTYPES)
     chk.slots("state_slots", state_slots, B, state_pool.shape[0], "state_pool")
+    _out(out, [B, T, HV, V], q)
     return _impl("gdn_recurrent_step", q)(
         q, k, v, state_pool=state_pool, state_slots=state_slots, g=g, beta=beta, a=a, b=b,
-        A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm)
+        A_log=A_log, dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)
 
 
 # ----------------------------------------------------------------------------- conv1d
@@ -635,22 +662,47 @@ def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return _impl("sigmoid_gate_mul", x)(x, gate)
 
 
+def gdn_chunk_table(offsets: Sequence[int], device: torch.device | str) -> np.ndarray | None:
+    """The host half of :func:`prepare_gdn_metadata`, for a host that sends its own per-step data to the device.
+
+    Returns the int32 array that the backend ``gdn_chunk_prefill`` uses on ``device`` wants on the device for a
+    batch of sequences at ``offsets`` (the values of ``cu_seqlens``), or ``None`` when that backend takes no
+    table. Copy it to the device with the step's other data (one transfer instead of one per table) and pass
+    the device copy as ``prepare_gdn_metadata(cu_seqlens, offsets=offsets, table=...)``.
+    """
+    if isinstance(offsets, torch.Tensor) or not len(offsets):
+        raise ValueError(f"offsets must be a non-empty list of host ints (the values of cu_seqlens), got {offsets!r}")
+    device = torch.device(device)
+    choice = probe.choose("gdn_chunk_prefill", device)
+    build = getattr(backends.load(choice.backend), "gdn_chunk_table", None)
+    if not callable(build):
+        return None
+    return build(chk.host_offsets("offsets", offsets, len(offsets)))
+
+
 def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *,
-                         offsets: Sequence[int] | None = None) -> object | None:
+                         offsets: Sequence[int] | None = None, table: torch.Tensor | None = None) -> object | None:
     """Per-batch data for :func:`gdn_chunk_prefill` (e.g. chunk indices), computed once per batch.
 
     Asks the backend that ``gdn_chunk_prefill`` uses on ``cu_seqlens``' device; ``None`` when that
     backend needs none. Pass the result as ``metadata=`` to every GDN layer of the batch so the
     op itself does no host synchronisation. ``offsets``: the values of ``cu_seqlens`` when the caller
     has them on the host (a host that built the batch does), so the backend need not read them back
-    from the device, which waits for all work queued before.
+    from the device, which waits for all work queued before. ``table``: the device copy of
+    :func:`gdn_chunk_table` of ``offsets`` (needs ``offsets``): the backend then copies nothing.
     """
     chk.tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=chk.INDEX_DTYPES)
     chk.positive_int("chunk_size", chunk_size, maximum=256)
     if offsets is not None:
         offsets = chk.host_offsets("offsets", offsets, cu_seqlens.shape[0])
+    if table is not None:
+        if offsets is None:
+            raise ValueError("table needs offsets: the values of cu_seqlens it was built from")
+        chk.tensor("table", table, device=cu_seqlens.device, dtypes=(torch.int32,))
     choice = probe.choose("gdn_chunk_prefill", cu_seqlens.device)
     prepare = getattr(backends.load(choice.backend), "prepare_gdn_metadata", None)
     if not callable(prepare):
         return None
-    return prepare(cu_seqlens, chunk_size) if offsets is None else prepare(cu_seqlens, chunk_size, offsets=offsets)
+    if offsets is None:
+        return prepare(cu_seqlens, chunk_size)
+    return prepare(cu_seqlens, chunk_size, offsets=offsets, table=table)

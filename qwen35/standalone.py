@@ -15,7 +15,6 @@ import contextlib
 import itertools
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -163,28 +162,20 @@ class _StepBuffer:
         at, n = self.parts[name]
         return self._np.view(np.uint8)[4 * at:4 * at + n]
 
-    def send(self, device: torch.device, names: tuple[str, ...],
-             flags: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-        """Device views of the parts ``names`` (consecutive in the layout), sent with one asynchronous copy.
-
-        A step sends its parts in two copies (see :meth:`Qwen35Standalone._layout`); each writes only its own
-        range of the host buffer, so the second is filled while the first may still be in flight.
-        """
-        spans = [self.parts[name] for name in names]
-        lo, hi = min(at for at, _ in spans), max(at + _aligned16(n) for at, n in spans)
+    def send(self, device: torch.device, flags: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
+        """Device views of every part, sent with one asynchronous copy (``flags``: parts read as bools)."""
+        hi = max((at + _aligned16(n) for at, n in self.parts.values()), default=0)
         if device.type == "cpu":
-            buf = self.host[lo:hi]  # used by this step only, which has finished when the next one rewrites it
+            buf = self.host[:hi]  # used by this step only, which has finished when the next one rewrites it
         else:
-            buf = self.host[lo:hi].to(device, non_blocking=True)
+            buf = self.host[:hi].to(device, non_blocking=True)
             if self.pinned:
                 self._event = self._event or torch.cuda.Event()
-                self._event.record()  # after this step's last copy: guards the whole buffer
+                self._event.record()  # after the copy: guards the buffer until the device has read it
                 self._copied = self._event
-        out = {name: buf[at - lo:at - lo + n] for name, (at, n) in zip(names, spans, strict=True) if name not in flags}
         raw = buf.view(torch.uint8)
-        out.update({name: raw[4 * (at - lo):4 * (at - lo) + n].view(torch.bool)
-                    for name, (at, n) in zip(names, spans, strict=True) if name in flags})
-        return out
+        return {name: raw[4 * at:4 * at + n].view(torch.bool) if name in flags else buf[at:at + n]
+                for name, (at, n) in self.parts.items()}
 
 
 def _token_row(tokens, slot: int):  # noqa: ANN001, ANN202
@@ -221,25 +212,7 @@ class StandaloneHost:
 
     def __init__(self, *, device: torch.device, dtype: torch.dtype, max_seqs: int, max_len: int):
         self.device, self.dtype, self.max_seqs, self.max_len = device, dtype, max_seqs, max_len
-        self._batch: _Batch | None = None
-        self._finish: Callable[[], _Batch] | None = None
-
-    @property
-    def batch(self) -> _Batch | None:
-        """The step's layout; a deferred one (:meth:`defer`) is built when a layer first asks for it."""
-        if self._finish is not None:
-            finish, self._finish = self._finish, None
-            self._batch = finish()
-        return self._batch
-
-    @batch.setter
-    def batch(self, value: _Batch | None) -> None:
-        self._batch, self._finish = value, None
-
-    def defer(self, finish: Callable[[], _Batch]) -> None:
-        """Build the step's layout with ``finish()`` on first use: the step's first kernels (embedding, the first
-        layer's norm and input projection) are queued before it, so the device works while the host builds it."""
-        self._batch, self._finish = None, finish
+        self.batch: _Batch | None = None  # the running step's layout
 
     def attention(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
                   scale: float) -> SlotAttention:
@@ -300,17 +273,14 @@ class Qwen35Standalone:
 
     # ---------------------------------------------------------------- one step
 
-    def _layout(self, slots: list[int], tokens: list, all_logits: bool
-                ) -> tuple[torch.Tensor, torch.Tensor, Callable[[], tuple[_Batch, torch.Tensor]]]:
-        """(token ids ``[T]``, positions ``[T]``, ``finish``): ``finish()`` returns the step's layout and the rows
-        of the hidden states whose logits :meth:`step` returns.
+    def _layout(self, slots: list[int], tokens: list, all_logits: bool) -> tuple[torch.Tensor, _Batch, torch.Tensor]:
+        """(token ids ``[T]``, the step's layout, the rows of the hidden states whose logits :meth:`step` returns).
 
-        Everything the device needs is computed on the host in one int32 buffer and copied (pinned,
-        asynchronous) in two parts: the ids and positions here, so the step's first kernels can be queued at
-        once, and the rest in ``finish``, which :meth:`step` defers until a layer asks for the layout (on a
-        slow host building it took ~1 ms, with the device idle at the start of a prefill). Every check on the
-        request runs here, before anything is launched. Work over the tokens is numpy's; Python loops run
-        over sequences.
+        Everything the device needs, the GDN chunk table included, is computed on the host in one int32 buffer
+        and sent with one pinned, asynchronous copy: on the lent H200's virtualised host each transfer cost
+        ~0.15-0.2 ms of host time with the device idle at the start of a prefill (it used to take three).
+        Every check on the request runs here, before anything is launched. Work over the tokens is numpy's;
+        Python loops run over sequences.
         """
         if len(slots) != len(tokens):
             raise ValueError(f"{len(slots)} slots but {len(tokens)} token lists")
@@ -335,9 +305,11 @@ class Qwen35Standalone:
         lens = [lens_in[i] for i in order]
         starts = list(itertools.accumulate(lens, initial=0))  # first row of each sequence, in step order
         T = starts[-1]
+        prefill_cu = [r - starts[nd] for r in starts[nd:]]
+        table = ops.gdn_chunk_table(prefill_cu, self.device) if N > nd else None
         buf = self._step_buffer
         buf.layout(dict(ids=T, positions=T, slots=T, rows=T if all_logits else N, seq_slots=N, cu=N - nd + 1,
-                        decode_lens=nd, has_init=N - nd))
+                        decode_lens=nd, has_init=N - nd, chunks=0 if table is None else table.size))
         ids, tok_slots, tok_pos = buf.part("ids"), buf.part("slots"), buf.part("positions")
         for j, i in enumerate(order):
             lo, hi = starts[j], starts[j + 1]
@@ -350,39 +322,34 @@ class Qwen35Standalone:
         if T and not 0 <= int(ids.min()) <= int(ids.max()) < self.cfg.vocab_size:
             bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
-        early = buf.send(self.device, ("ids", "positions"))
-
-        def finish() -> tuple[_Batch, torch.Tensor]:
-            first_row = [0] * N  # first row of each sequence, in input order
-            for j, i in enumerate(order):
-                first_row[i] = starts[j]
-            if all_logits:  # input order: sequence i's rows first_row[i] .. + lens_in[i]
-                offsets = np.repeat(np.asarray(first_row) - np.asarray(
-                    list(itertools.accumulate(lens_in, initial=0))[:-1]), lens_in)
-                np.add(np.arange(T, dtype=np.int32), offsets, out=buf.part("rows"), casting="unsafe")
-            else:
-                buf.part("rows")[:] = [first_row[i] + lens_in[i] - 1 for i in range(N)]
-            prefill_cu = [r - starts[nd] for r in starts[nd:]]
-            buf.part("seq_slots")[:] = seq_slots
-            buf.part("cu")[:] = prefill_cu
-            buf.part("decode_lens")[:] = [c + 1 for c in ctxs[:nd]]
-            buf.flags("has_init")[:] = [c > 0 for c in ctxs[nd:]]
-            d = buf.send(self.device, ("slots", "rows", "seq_slots", "cu", "decode_lens", "has_init"),
-                         flags=("has_init",))
-            seq_slots_d, cu = d["seq_slots"], d["cu"]
-            prefills = [(seq_slots[j], ctxs[j], lens[j], starts[j]) for j in range(nd, N)]
-            gdn = dict(
-                num_decodes=nd, decode_slots=seq_slots_d[:nd] if nd else None, num_prefill_tokens=prefill_cu[-1],
-                prefill_cu_seqlens=cu if prefills else None, prefill_slots=seq_slots_d[nd:] if prefills else None,
-                prefill_has_initial_state=d["has_init"] if prefills else None)
-            if prefills:
-                gdn["prefill_metadata"] = ops.prepare_gdn_metadata(cu, offsets=prefill_cu)  # no device read-back
-            batch = _Batch(num_decodes=nd, decode_slots=seq_slots_d[:nd],
-                           decode_lens=d["decode_lens"] if nd else None, prefills=prefills, token_slots=d["slots"],
-                           token_positions=early["positions"], gdn=gdn)
-            return batch, d["rows"]
-
-        return early["ids"], early["positions"], finish
+        first_row = [0] * N  # first row of each sequence, in input order
+        for j, i in enumerate(order):
+            first_row[i] = starts[j]
+        if all_logits:  # input order: sequence i's rows first_row[i] .. + lens_in[i]
+            offsets = np.repeat(np.asarray(first_row) - np.asarray(
+                list(itertools.accumulate(lens_in, initial=0))[:-1]), lens_in)
+            np.add(np.arange(T, dtype=np.int32), offsets, out=buf.part("rows"), casting="unsafe")
+        else:
+            buf.part("rows")[:] = [first_row[i] + lens_in[i] - 1 for i in range(N)]
+        buf.part("seq_slots")[:] = seq_slots
+        buf.part("cu")[:] = prefill_cu
+        buf.part("decode_lens")[:] = [c + 1 for c in ctxs[:nd]]
+        buf.flags("has_init")[:] = [c > 0 for c in ctxs[nd:]]
+        if table is not None:
+            buf.part("chunks")[:] = table.reshape(-1)
+        d = buf.send(self.device, flags=("has_init",))
+        seq_slots_d, cu = d["seq_slots"], d["cu"]
+        prefills = [(seq_slots[j], ctxs[j], lens[j], starts[j]) for j in range(nd, N)]
+        gdn = dict(
+            num_decodes=nd, decode_slots=seq_slots_d[:nd] if nd else None, num_prefill_tokens=prefill_cu[-1],
+            prefill_cu_seqlens=cu if prefills else None, prefill_slots=seq_slots_d[nd:] if prefills else None,
+            prefill_has_initial_state=d["has_init"] if prefills else None)
+        if prefills:  # no device read-back: the host's offsets (and its table, when the backend takes one)
+            gdn["prefill_metadata"] = ops.prepare_gdn_metadata(
+                cu, offsets=prefill_cu, table=None if table is None else d["chunks"].view(table.shape))
+        batch = _Batch(num_decodes=nd, decode_slots=seq_slots_d[:nd], decode_lens=d["decode_lens"] if nd else None,
+                       prefills=prefills, token_slots=d["slots"], token_positions=d["positions"], gdn=gdn)
+        return d["ids"], batch, d["rows"]
 
     @torch.no_grad()
     def step(self, slots: list[int], tokens: list[list[int]] | list[np.ndarray] | list[torch.Tensor], *,
@@ -393,24 +360,16 @@ class Qwen35Standalone:
         ``all_logits=False``: ``[N, vocab]``, the last new token of each sequence (input order).
         ``all_logits=True``: ``[sum of new tokens, vocab]`` in input order.
         """
-        ids, positions, finish = self._layout(slots, tokens, all_logits)
-        rows: list[torch.Tensor] = []
-
-        def build() -> _Batch:
-            batch, logit_rows = finish()
-            rows.append(logit_rows)
-            return batch
-
-        self.host.defer(build)
+        ids, batch, rows = self._layout(slots, tokens, all_logits)
+        self.host.batch = batch
         try:
             with ops.host_built_inputs():  # this host built the slots and offsets: no value checks on the GPU
-                hidden = self.model(ids, positions)
-                _ = self.host.batch  # built by now unless no layer asked for it
+                hidden = self.model(ids, batch.token_positions)
         finally:
             self.host.batch = None
         for s, toks in zip(slots, tokens, strict=True):
             self.lengths[s] += len(toks)
-        return self.model.logits(hidden[rows[0]]).float()
+        return self.model.logits(hidden[rows]).float()
 
     def capture_decode(self, slots: list[int]) -> DecodeGraph:
         """A CUDA graph of one decode step for these (consecutive, allocated) slots; see :class:`DecodeGraph`."""

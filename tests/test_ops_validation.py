@@ -63,6 +63,9 @@ PREFILL_CASES = {
                                    has_initial_state=torch.tensor([1, 0])), "has_initial_state has dtype"),
     "chunk_size zero": (dict(chunk_size=0), "chunk_size=0"),
     "negative scale": (dict(scale=-1.0), "scale=-1.0"),
+    "out wrong shape": (dict(out=torch.empty(T, HV, V + 1)), "out has shape"),
+    "out wrong dtype": (dict(out=torch.empty(T, HV, V, dtype=torch.float16)), "out has dtype float16"),
+    "out non-contiguous": (dict(out=torch.empty(HV, T, V).transpose(0, 1)), "out must be contiguous"),
 }
 
 
@@ -100,6 +103,8 @@ def _step(B=2, Tn=1, **over):
     (dict(state_slots=torch.tensor([0.0, 1.0])), "state_slots has dtype float32"),
     (dict(state_pool=torch.zeros(4, HV, K, V, dtype=torch.bfloat16)), "state_pool has dtype bfloat16"),
     (dict(g=None, beta=None, a=torch.zeros(2, 1, HV)), "b is missing"),
+    (dict(out=torch.empty(2, 1, HV, V + 1)), "out has shape"),
+    (dict(out=torch.empty(2, 1, HV, V, dtype=torch.float64)), "out has dtype float64"),
 ])
 def test_decode_rejects(over, msg):
     Tn = over.pop("Tn", 1)

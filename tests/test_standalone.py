@@ -224,3 +224,29 @@ def test_decode_graph_matches_eager_steps(tmp_path):
     for i in range(4):
         got = graph.step([c[i] for c in cont])
         assert rel_err(got, expected[i]) <= TOL, f"graph step {i}: rel err {rel_err(got, expected[i]):.3e}"
+
+
+def test_triton_gdn_prefill_takes_the_steps_chunk_table(moe_ckpt, fresh_probe, monkeypatch):
+    """With the GDN ops on the Triton backend (interpreted on CPU), the chunk table travels in the step's one
+    copy and the logits of mixed prefill/decode steps match the reference backend's."""
+    from qwen35 import ops
+
+    prompts, cont = _prompts([70, 5]), _prompts([2, 2], seed=1)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs interpreted on CPU (conftest)
+
+    def run() -> list[torch.Tensor]:
+        m = Qwen35Standalone.from_pretrained(moe_ckpt, device=dev, max_seqs=3, max_len=128)
+        slots = m.allocate(2)
+        out = [m.step(slots[:1], prompts[:1])]
+        out.append(m.step(slots, [[cont[0][0]], prompts[1]]))  # a decode row and a prefill in one step
+        out.append(m.step(slots, [[cont[0][1]], [cont[1][0]]]))
+        return out
+
+    expected = run()
+    monkeypatch.setenv("QWEN35_BACKEND_GDN_CHUNK_PREFILL", "triton")
+    monkeypatch.setenv("QWEN35_BACKEND_GDN_RECURRENT_STEP", "triton")
+    fresh_probe.reset()
+    table = ops.gdn_chunk_table([0, 70, 75], dev)
+    assert table is not None and table.tolist() == [[0, 64], [64, 70], [70, 75]]
+    for got, want in zip(run(), expected, strict=True):
+        assert rel_err(got, want) <= 1e-4, f"rel err {rel_err(got, want):.3e}"

@@ -147,6 +147,63 @@ def test_prefill_single_sequence_no_state_and_metadata():
         kt.gdn_chunk_prefill(**d, cu_seqlens=cu.clone(), metadata=meta)
 
 
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+def test_outputs_written_into_a_callers_buffer(impl):
+    """``out=``: prefill rows and decode rows land in slices of one buffer, as the model's GDN layer passes them;
+    the rest of the buffer is not touched and the values equal those of a call without ``out``."""
+    mod = kt if impl == "triton" else ref
+    lens, H, HV, K, V = [70, 0, 5], 2, 4, 32, 32
+    T = sum(lens)
+    d = _inputs(lens, H, HV, K, V, torch.float32)
+    cu = cu_from_lens(lens, DEV)
+    pool = (torch.randn(4, HV, K, V, generator=torch.Generator().manual_seed(2)) * 0.1).to(DEV)
+    slots = torch.tensor([0, 2, 3], dtype=torch.int32, device=DEV)
+    buf = torch.full((T + 3, HV, V), 7.0, device=DEV)
+    expected, _ = mod.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=pool.clone(), state_slots=slots,
+                                        use_qk_l2norm=True)
+    o, none = mod.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=pool.clone(), state_slots=slots,
+                                    use_qk_l2norm=True, out=buf[1:T + 1])
+    assert none is None and o.data_ptr() == buf[1].data_ptr()
+    assert torch.equal(buf[1:T + 1], expected)
+    assert torch.all(buf[0] == 7) and torch.all(buf[T + 1:] == 7), "rows outside out were written"
+
+    step = gdn_inputs(1, H, HV, K, V, dtype=torch.float32, device=DEV, raw=True, batch=(2,), seed=5)
+    want = mod.gdn_recurrent_step(**step, state_pool=pool.clone(), state_slots=slots[:2], use_qk_l2norm=True)
+    got = mod.gdn_recurrent_step(**step, state_pool=pool.clone(), state_slots=slots[:2], use_qk_l2norm=True,
+                                 out=buf[T + 1:T + 3, None])
+    assert got.data_ptr() == buf[T + 1].data_ptr() and torch.equal(buf[T + 1:T + 3], want[:, 0])
+
+
+def test_gating_views_of_a_wider_buffer():
+    """a and b as column views of one projection output (rows wider than HV, as the model passes them) give the
+    results of contiguous copies, in prefill and decode; a head dim that is not unit-stride is refused."""
+    lens, H, HV, K, V = [70, 5], 2, 4, 32, 32
+    T = sum(lens)
+    d = _inputs(lens, H, HV, K, V, torch.float32)
+    cu = cu_from_lens(lens, DEV)
+    wide = torch.randn(T, 2 * HV + 3, device=DEV)
+    wide[:, HV + 1:2 * HV + 1], wide[:, 1:HV + 1] = d["a"], d["b"]
+    a, b = wide[:, HV + 1:2 * HV + 1], wide[:, 1:HV + 1]
+    assert not a.is_contiguous() and kt.gdn.chunk.gate_rows(a, b)[2] == 2 * HV + 3  # read in place, not copied
+    pool = (torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(2)) * 0.1).to(DEV)
+    slots = torch.tensor([0, 2], dtype=torch.int32, device=DEV)
+    common = dict(cu_seqlens=cu, state_slots=slots, use_qk_l2norm=True)
+    want, _ = kt.gdn_chunk_prefill(**d, state_pool=pool.clone(), **common)
+    got, _ = kt.gdn_chunk_prefill(**{**d, "a": a, "b": b}, state_pool=pool.clone(), **common)
+    assert torch.equal(got, want)
+    rows = torch.tensor([3, 71], device=DEV)  # one token of each sequence, as [B, 1, HV] views
+    step = dict(q=d["q"][rows, None], k=d["k"][rows, None], v=d["v"][rows, None], A_log=d["A_log"],
+                dt_bias=d["dt_bias"], state_slots=slots, use_qk_l2norm=True)
+    want = kt.gdn_recurrent_step(**step, a=d["a"][rows, None], b=d["b"][rows, None], state_pool=pool.clone())
+    wide_rows = wide[rows]
+    got = kt.gdn_recurrent_step(**step, a=wide_rows[:, None, HV + 1:2 * HV + 1], b=wide_rows[:, None, 1:HV + 1],
+                                state_pool=pool.clone())
+    assert torch.equal(got, want)
+    ops.gdn_chunk_prefill(**{**d, "a": a, "b": b}, state_pool=pool.clone(), **common)  # the façade accepts views
+    with pytest.raises(ValueError, match="head values adjacent"):
+        ops.gdn_chunk_prefill(**{**d, "a": wide[:, 0:2 * HV:2]}, state_pool=pool.clone(), **common)
+
+
 def test_prefill_chunk_table_host_and_device_agree():
     from kernels_triton.gdn.chunk import _chunk_bounds_on_device
 
@@ -264,6 +321,19 @@ def test_facade_forced_triton_selftests_and_runs(fresh_probe, monkeypatch):
     assert isinstance(meta, kt.gdn.GdnChunkMetadata)
     from_host = ops.prepare_gdn_metadata(cu, offsets=[0, 3, 69])  # the host's copy: no read-back, same table
     assert from_host.num_chunks == meta.num_chunks and torch.equal(from_host.chunk_bounds, meta.chunk_bounds)
+    table = torch.from_numpy(ops.gdn_chunk_table([0, 3, 69], DEV)).to(DEV)  # sent by the caller: no copy here
+    sent = ops.prepare_gdn_metadata(cu, offsets=[0, 3, 69], table=table)
+    assert sent.chunk_bounds is table and sent.num_chunks == meta.num_chunks
+    assert torch.equal(sent.chunk_bounds, meta.chunk_bounds)
+    empty = ops.prepare_gdn_metadata(cu_from_lens([0, 0], DEV), offsets=[0, 0, 0],
+                                     table=torch.from_numpy(ops.gdn_chunk_table([0, 0, 0], DEV)).to(DEV))
+    assert empty.num_chunks == 0
+    for bad, msg in (((table, None), "table needs offsets"), ((table[:1], [0, 3, 69]), "must be a contiguous int32"),
+                     ((table.long(), [0, 3, 69]), "table has dtype int64")):
+        with pytest.raises(ValueError, match=msg):
+            ops.prepare_gdn_metadata(cu, offsets=bad[1], table=bad[0])
+    with pytest.raises(ValueError, match="non-empty list"):
+        ops.gdn_chunk_table([], DEV)
     for bad, msg in (([0, 3], "holds 2 offsets"), ([1, 3, 69], "must start at 0"), ([0, 5, 3], "non-decreasing"),
                      (cu, "not a tensor"), ([0, 3.0, 69], "must hold ints")):
         with pytest.raises(ValueError, match=msg):

@@ -22,13 +22,21 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def time_ms(fn: Callable[[], object], *, warmup: int = 5, rep: int = 30) -> float:
-    """Median wall time of ``fn`` in ms, timed with CUDA events per call (host overhead included)."""
+def time_ms(fn: Callable[[], object], *, warmup: int = 5, rep: int = 30, idle_s: float = 0.0) -> float:
+    """Median wall time of ``fn`` in ms, timed with CUDA events per call (host overhead included).
+
+    ``idle_s``: the GPU idles that long before each timed call (not counted), as before a request that reaches
+    an idle server. Calls of tens of ms issued back to back hold an H200 at its power cap (SM clock ~1815
+    instead of 1980 MHz, throttle reason SW power cap; tuning/notes_model.md, session 5), which a single call
+    from an idle GPU does not meet.
+    """
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(rep):
+        if idle_s:
+            time.sleep(idle_s)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

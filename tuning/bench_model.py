@@ -172,27 +172,33 @@ def _prompts(n: int, t: int, seed: int, as_lists: bool = False) -> list:
 
 
 SUSTAINED_STEPS = 5
+IDLE_S = 0.05  # before each "one step, idle GPU" rep: the GPU idles as before a lone request (see _bench.time_ms)
+
+
+def fresh_step(ours, prompts: list) -> None:
+    """One step of ``prompts`` on newly allocated slots (fresh sequences), released afterwards."""
+    slots = ours.allocate(len(prompts))
+    try:
+        ours.step(slots, prompts)
+    finally:
+        ours.release(slots)
 
 
 def prefill_row(ours, n: int, t: int, as_lists: bool = False, sustained: bool = False) -> dict:
     """One prefill step of n fresh prompts of t tokens, from an idle GPU (host work before the first kernel is
-    in the time); ``sustained``: SUSTAINED_STEPS such steps issued back to back (each on fresh slots) and timed
-    together, as a server runs a stream of prefills: the host builds step i+1 while the GPU runs step i."""
+    in the time; the GPU idles IDLE_S before each rep, so it starts below its power cap as for a lone request);
+    ``sustained``: SUSTAINED_STEPS such steps issued back to back (each on fresh slots) and timed together, reps
+    back to back, as a server runs a stream of prefills: the host builds step i+1 while the GPU runs step i,
+    and the GPU runs at its power cap."""
     prompts = _prompts(n, t, 2, as_lists)
-
-    def one():
-        slots = ours.allocate(n)
-        try:
-            ours.step(slots, prompts)
-        finally:
-            ours.release(slots)
 
     def run():
         for _ in range(SUSTAINED_STEPS if sustained else 1):
-            one()
+            fresh_step(ours, prompts)
 
     warmup, rep = _reps(run)
-    ms = _bench.time_ms(run, warmup=warmup, rep=rep) / (SUSTAINED_STEPS if sustained else 1)
+    ms = _bench.time_ms(run, warmup=warmup, rep=rep, idle_s=0 if sustained else IDLE_S) / (
+        SUSTAINED_STEPS if sustained else 1)
     tok_s = n * t / ms * 1e3
     hf = HF_PREFILL.get((n, t))
     return _bench.row("prefill", f"{n}x{t}", "bf16", ms, anchor="HF transformers 5.17 (issue 5)" if hf else None,
@@ -337,16 +343,14 @@ def install_ranges(ours):
     model.embed_tokens.forward = _ranged("embed", model.embed_tokens.forward)
     model.logits = _ranged("lm_head", model.logits)
     ours._layout = _ranged("host:layout", ours._layout)
-    defer = ours.host.defer
-    ours.host.defer = lambda finish: defer(_ranged("host:layout rest", finish))  # built when a layer first asks
-    patched = [ours, ours.host, model, model.embed_tokens] + [m for layer in model.layers for m in
+    patched = [ours, model, model.embed_tokens] + [m for layer in model.layers for m in
                                                     (layer, layer.mlp, *layer.mixer.children())]
 
     def undo() -> None:
         for op, fn in saved_ops.items():
             setattr(ops, op, fn)
         for obj in patched:
-            for attr in ("forward", "logits", "_layout", "defer"):
+            for attr in ("forward", "logits", "_layout"):
                 obj.__dict__.pop(attr, None)
     return undo
 
@@ -498,10 +502,9 @@ def print_profile(key: str, p: dict) -> None:
 def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
     """Where the GPU waits for the host during one prefill step, without the profiler's own host cost.
 
-    An event is recorded (and the host clock read) at the start of the step, once the token ids are sent, at
+    An event is recorded (and the host clock read) at the start of the step, once the step's layout is sent, at
     each layer, when the first GDN layer's core starts (its norm and input projections are queued by then),
-    before and after the rest of the layout is built (inside the first layer that asks for it), before the LM
-    head and at the end. ``lead_ms`` at a marker = when the GPU reached it minus
+    before the LM head and at the end. ``lead_ms`` at a marker = when the GPU reached it minus
     when the host recorded it (both from the step's start, which the GPU reaches at once since it is
     idle): near zero means the GPU had drained its queue and was waiting for the host there; growing
     means the host is ahead. ``gpu_ms`` per segment includes any wait inside it. Median over ``reps`` steps.
@@ -532,9 +535,7 @@ def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
         kind = "gdn" if layer.layer_type == "linear_attention" else "attn"
         layer.forward = at_entry(f"layer {i} {kind}", layer.forward)
     model.logits = at_entry("lm_head", model.logits)
-    ours._layout = after("ids sent", ours._layout)
-    defer = ours.host.defer
-    ours.host.defer = lambda finish: defer(at_entry("layout rest: start", after("layout rest", finish)))
+    ours._layout = after("layout sent", ours._layout)
     first_gdn = next((layer.mixer.state for layer in model.layers if layer.layer_type == "linear_attention"), None)
     if first_gdn is not None:  # layer 0's norm and input projections are queued when its core starts
         first_gdn.run = at_entry("gdn core (first)", first_gdn.run)
@@ -554,8 +555,8 @@ def lag_trace(ours, n: int, t: int, reps: int = 5) -> dict:
             h0, e0 = marks[0][1], marks[0][2]
             runs.append([(lab, (h - h0) * 1e3, e0.elapsed_time(ev)) for lab, h, ev in marks])
     finally:
-        for obj in [ours, ours.host, model, *model.layers, *([first_gdn] if first_gdn is not None else [])]:
-            for attr in ("forward", "logits", "_layout", "defer", "run"):
+        for obj in [ours, model, *model.layers, *([first_gdn] if first_gdn is not None else [])]:
+            for attr in ("forward", "logits", "_layout", "run"):
                 obj.__dict__.pop(attr, None)
     runs = runs[2:]
     rows = []
@@ -618,12 +619,8 @@ def profile_main(args) -> int:
     for n, t in PROFILE_PREFILLS:
         prompts = _prompts(n, t, 2)
 
-        def prefill(n=n, prompts=prompts):
-            slots = ours.allocate(n)
-            try:
-                ours.step(slots, prompts)
-            finally:
-                ours.release(slots)
+        def prefill(prompts=prompts):
+            fresh_step(ours, prompts)
 
         for _ in range(2):
             prefill()

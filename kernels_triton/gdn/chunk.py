@@ -25,6 +25,8 @@ fp32 (``ieee``) for fp32 inputs.
 from __future__ import annotations
 
 import functools
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -60,27 +62,58 @@ class GdnChunkMetadata:
     version: int = -1
 
 
-def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *,
-                         offsets: list[int] | None = None) -> GdnChunkMetadata:
+def chunk_table(offsets: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
+    """The chunk table of a batch, built on the host from the sequence offsets (``cu_seqlens``' values): int32
+    ``[max(n, 1), 2]`` holding (first token, end token) of each of the n chunks, in order (one empty row when
+    n = 0). Written into ``out`` (a flat int32 array of that many values, e.g. part of a caller's pinned
+    step buffer) when given. See :func:`chunk_table_rows` for the size."""
+    offs = np.asarray(offsets, dtype=np.int64)
+    counts = -(-(offs[1:] - offs[:-1]) // CHUNK)  # chunks per sequence (none for an empty one)
+    n = int(counts.sum())
+    rows = np.zeros((max(n, 1), 2), dtype=np.int32) if out is None else out.reshape(max(n, 1), 2)
+    if n:
+        seq = np.repeat(np.arange(counts.size), counts)  # sequence of each chunk
+        starts = offs[:-1][seq] + (np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)) * CHUNK
+        rows[:, 0] = starts
+        rows[:, 1] = np.minimum(starts + CHUNK, offs[1:][seq])
+    else:
+        rows[:] = 0
+    return rows
+
+
+def chunk_table_rows(offsets: Sequence[int]) -> int:
+    """Rows of :func:`chunk_table` for these offsets: the number of chunks, at least 1."""
+    return max(1, sum(-(-(e - s) // CHUNK) for s, e in itertools.pairwise(offsets)))
+
+
+def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offsets: Sequence[int] | None = None,
+                         table: torch.Tensor | None = None) -> GdnChunkMetadata:
     """Chunk table for a batch: built on the host from ``offsets`` (the values of ``cu_seqlens``), read back
     from the device when not given (one host synchronisation, here, instead of one per layer).
 
-    This backend always uses ``CHUNK``-token chunks; ``chunk_size`` is accepted for the façade's
-    signature (the result of the op does not depend on it beyond rounding). The table goes to the
-    device from pinned memory: a copy from pageable memory would wait for the work queued before it.
+    ``table``: the table already on ``cu_seqlens``' device (:func:`chunk_table` of ``offsets``, sent by the
+    caller with its other per-step data: no copy here); it needs ``offsets``. This backend always uses
+    ``CHUNK``-token chunks; ``chunk_size`` is accepted for the façade's signature (the result of the op does
+    not depend on it beyond rounding). A table built here goes to the device from pinned memory: a copy from
+    pageable memory would wait for the work queued before it.
     """
-    offs = np.asarray(cu_seqlens.tolist() if offsets is None else offsets, dtype=np.int64)
-    counts = -(-(offs[1:] - offs[:-1]) // CHUNK)  # chunks per sequence (none for an empty one)
-    n = int(counts.sum())
-    seq = np.repeat(np.arange(counts.size), counts)  # sequence of each chunk
-    starts = offs[:-1][seq] + (np.arange(n) - np.repeat(np.cumsum(counts) - counts, counts)) * CHUNK
-    table = torch.zeros(max(n, 1), 2, dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
-    if n:
-        rows = table.numpy()
-        rows[:, 0] = starts
-        rows[:, 1] = np.minimum(starts + CHUNK, offs[1:][seq])
-    table = table.to(cu_seqlens.device, non_blocking=True)
-    return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, cu_seqlens._version)
+    if table is not None:
+        if offsets is None:
+            raise ValueError("a chunk table on the device needs the offsets it was built from")
+        rows = chunk_table_rows(offsets)
+        if (table.dtype != torch.int32 or tuple(table.shape) != (rows, 2) or table.device != cu_seqlens.device
+                or not table.is_contiguous()):
+            raise ValueError(f"table must be a contiguous int32 [{rows}, 2] tensor on {cu_seqlens.device} (the chunk "
+                             f"table of offsets {list(offsets)[:8]}...), got {table.dtype} {list(table.shape)} on "
+                             f"{table.device}")
+        n = rows if rows > 1 or offsets[-1] > offsets[0] else 0
+        return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, cu_seqlens._version)
+    offs = cu_seqlens.tolist() if offsets is None else list(offsets)
+    rows = chunk_table_rows(offs)
+    host = torch.empty(rows, 2, dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
+    chunk_table(offs, host.numpy())
+    n = rows if rows > 1 or offs[-1] > offs[0] else 0
+    return GdnChunkMetadata(host.to(cu_seqlens.device, non_blocking=True), n, CHUNK, cu_seqlens, cu_seqlens._version)
 
 
 def _chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, int]:
@@ -102,20 +135,36 @@ def _chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Ten
 # ----------------------------------------------------------------------------- kernels
 
 
+def gate_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The gating pair (a, b or g, beta), ``[..., HV]``, as rows of HV values a common stride apart: ``(x, y,
+    row stride)``. Views into a wider projection output (the model's b | a columns) keep their memory; a pair
+    whose rows cannot be addressed that way is copied."""
+    HV = x.shape[-1]
+    try:
+        xs, ys = x.view(-1, HV), y.view(-1, HV)
+    except RuntimeError:  # leading dims not flattenable without a copy
+        xs = ys = None
+    if (xs is not None and xs.stride(0) == ys.stride(0) and (HV <= 1 or xs.stride(1) == ys.stride(1) == 1)
+            and xs.shape[0] > 0):
+        return x, y, xs.stride(0)
+    return x.contiguous(), y.contiguous(), HV
+
+
 @triton.jit
-def _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV,
+def _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, gate_stride,
             RAW_GATING: tl.constexpr):
-    """(g, beta) fp32 for token rows ``t`` of value head ``hv``; zero on masked rows."""
+    """(g, beta) fp32 for token rows ``t`` of value head ``hv``; zero on masked rows. The gating inputs (a, b or
+    g, beta) have rows ``gate_stride`` apart (see :func:`gate_rows`)."""
     if RAW_GATING:
-        x = tl.load(a_ptr + t * HV + hv, mask=tmask, other=0.0).to(tl.float32)
+        x = tl.load(a_ptr + t * gate_stride + hv, mask=tmask, other=0.0).to(tl.float32)
         x = x + tl.load(dt_bias_ptr + hv).to(tl.float32)
         softplus = tl.where(x > 20.0, x, tl.maximum(x, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(x))))
         g = -tl.exp(tl.load(A_log_ptr + hv).to(tl.float32)) * softplus
-        braw = tl.load(b_ptr + t * HV + hv, mask=tmask, other=0.0).to(tl.float32)
+        braw = tl.load(b_ptr + t * gate_stride + hv, mask=tmask, other=0.0).to(tl.float32)
         beta = 1.0 / (1.0 + tl.exp(-braw))
     else:
-        g = tl.load(g_ptr + t * HV + hv, mask=tmask, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + t * HV + hv, mask=tmask, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + t * gate_stride + hv, mask=tmask, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + t * gate_stride + hv, mask=tmask, other=0.0).to(tl.float32)
     return tl.where(tmask, g, 0.0), tl.where(tmask, beta, 0.0)
 
 
@@ -226,14 +275,14 @@ def _store_tile(base, row_stride, rmask, c0, D: tl.constexpr, BD: tl.constexpr, 
              mask=_tile_mask(rmask, cols, D, D % BD == 0))
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV"])  # one compile serves every length and head count
+@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride"])  # one compile serves every length and head count
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr,
     g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     bounds_ptr,
     ws_ptr,
     T, scale,
-    H, HV, K: tl.constexpr, V: tl.constexpr,
+    H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr,
     BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
     EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
@@ -283,7 +332,8 @@ def _chunk_prepare_kernel(
             rk = tl.full((C,), 1.0, dtype=tl.float32)
             rq = tl.full((C,), scale, dtype=tl.float32)
 
-        g, beta = _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV, RAW_GATING)
+        g, beta = _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, gate_stride,
+                          RAW_GATING)
         g = tl.cumsum(g, axis=0)  # chunk-local cumulative log-decay
         # Row scales for the scan (it then feeds q and k to its dots untouched): g, |q|^-1 scale e^g, |k|^-1.
         tl.store(gcum_ptr + head_row + rows, g, mask=tmask)
@@ -593,6 +643,7 @@ def gdn_chunk_prefill(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     metadata: object | None = None,
+    out: torch.Tensor | None = None,
     prepare_config: dict | None = None,
     scan_config: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -616,6 +667,10 @@ def gdn_chunk_prefill(
     for name, st in (("initial_state", initial_state), ("state_pool", state_pool)):
         if st is not None and st.dtype is not torch.float32 and st.dtype is not torch.float64:
             raise ValueError(f"{name} has dtype {st.dtype}; states are fp32 (fp64 accepted)")
+    if a is not None:
+        a, b, gate_stride = gate_rows(a, b)
+    else:
+        g, beta, gate_stride = gate_rows(g, beta)
     scale = K**-0.5 if scale is None else float(scale)
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else 1
@@ -639,12 +694,13 @@ def gdn_chunk_prefill(
     if prepare_config is not None or scan_config is not None:
         plan = plan._replace_configs(dev, q.dtype, prepare_config, scan_config)
 
-    o = torch.empty(T, HV, V, dtype=q.dtype, device=dev)
+    o = torch.empty(T, HV, V, dtype=q.dtype, device=dev) if out is None else out
     ws = torch.empty(HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
 
     # Phase 1: everything that does not need the running state, all chunks in parallel.
     if num_chunks > 0 and T > 0:
         _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV,
+                                             gate_stride,
                                              *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
                                              *plan.prepare_flags),
                         plan.prepare_options)

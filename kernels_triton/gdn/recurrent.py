@@ -21,14 +21,14 @@ import triton.language as tl
 
 from kernels_triton import _config
 from kernels_triton._launch import DirectLauncher
-from kernels_triton.gdn.chunk import _cdiv, _gating, _pow2, check_head_dims, device_facts, grid_rows
+from kernels_triton.gdn.chunk import _cdiv, _gating, _pow2, check_head_dims, device_facts, gate_rows, grid_rows
 
 
-@triton.jit(do_not_specialize=["H", "HV", "NH"])
+@triton.jit(do_not_specialize=["H", "HV", "NH", "gate_stride"])
 def _recurrent_step_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     pool_ptr, slots_ptr, o_ptr, scale, pool_slot_stride,
-    T: tl.constexpr, H, HV, NH, K: tl.constexpr, V: tl.constexpr,
+    T: tl.constexpr, H, HV, gate_stride, NH, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
     STREAM: tl.constexpr = False,
 ):
@@ -57,7 +57,8 @@ def _recurrent_step_kernel(
         S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
     for t in tl.static_range(T):
         row = row0 + t
-        g, beta = _gating(row, row >= 0, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, HV, RAW_GATING)
+        g, beta = _gating(row, row >= 0, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, gate_stride,
+                          RAW_GATING)
         q = tl.load(q_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
         if USE_L2:
@@ -120,6 +121,7 @@ def gdn_recurrent_step(
     dt_bias: torch.Tensor | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    out: torch.Tensor | None = None,
     step_config: dict | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`qwen35.ops.gdn_recurrent_step` (see the module docstring)."""
@@ -130,15 +132,20 @@ def gdn_recurrent_step(
         raise ValueError(f"triton GDN kernels take fp16, bf16 or fp32 activations, got {q.dtype}")
     if state_pool.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"state_pool has dtype {state_pool.dtype}; states are fp32 (fp64 accepted)")
-    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device)
+    o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device) if out is None else out
     if B == 0:
         return o
+    if a is not None:
+        a, b, gate_stride = gate_rows(a, b)
+    else:
+        g, beta, gate_stride = gate_rows(g, beta)
     cfg = step_config or _step_config(q.device, B, HV, V)
     BV = cfg["BV"]
     _launch_step(
         (_cdiv(V, BV), *grid_rows(B * HV)),
         (q, k, v, g, beta, a, b, A_log, dt_bias, state_pool, state_slots, o,
-         K**-0.5 if scale is None else float(scale), state_pool.stride(0), T, H, HV, B * HV, K, V, _pow2(K), BV,
+         K**-0.5 if scale is None else float(scale), state_pool.stride(0), T, H, HV, gate_stride, B * HV, K, V,
+         _pow2(K), BV,
          a is not None, use_qk_l2norm, bool(cfg.get("STREAM", False))),
         {key: val for key, val in cfg.items() if key not in ("BV", "STREAM")})
     return o

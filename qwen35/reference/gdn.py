@@ -137,8 +137,21 @@ def gdn_chunk_prefill(
     use_qk_l2norm: bool = False,
     chunk_size: int = 64,
     metadata: object | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Reference for :func:`qwen35.ops.gdn_chunk_prefill` (same signature and semantics)."""
+    o, final = _chunk_prefill(q, k, v, g, beta, a, b, A_log, dt_bias, cu_seqlens, initial_state, state_pool,
+                              state_slots, has_initial_state, output_final_state, scale, use_qk_l2norm, chunk_size)
+    return _into(out, o), final
+
+
+def _into(out: torch.Tensor | None, o: torch.Tensor) -> torch.Tensor:
+    """``o`` copied into the caller's ``out`` buffer when one is given."""
+    return o if out is None else out.copy_(o)
+
+
+def _chunk_prefill(q, k, v, g, beta, a, b, A_log, dt_bias, cu_seqlens, initial_state, state_pool,  # noqa: ANN001, ANN202
+                   state_slots, has_initial_state, output_final_state, scale, use_qk_l2norm, chunk_size):
     T, _, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     dtype = compute_dtype_for(q, k, v, initial_state)
@@ -188,8 +201,15 @@ def gdn_recurrent_step(
     dt_bias: torch.Tensor | None = None,
     scale: float | None = None,
     use_qk_l2norm: bool = False,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for :func:`qwen35.ops.gdn_recurrent_step` (same signature and semantics)."""
+    return _into(out, _recurrent_step(q, k, v, state_pool, state_slots, g, beta, a, b, A_log, dt_bias, scale,
+                                      use_qk_l2norm))
+
+
+def _recurrent_step(q, k, v, state_pool, state_slots, g, beta, a, b, A_log, dt_bias, scale,  # noqa: ANN001, ANN202
+                    use_qk_l2norm):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     dtype = compute_dtype_for(q, k, v)
