@@ -681,7 +681,8 @@ def gdn_chunk_table(offsets: Sequence[int], device: torch.device | str) -> np.nd
 
 
 def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *,
-                         offsets: Sequence[int] | None = None, table: torch.Tensor | None = None) -> object | None:
+                         offsets: Sequence[int] | None = None, table: torch.Tensor | None = None,
+                         chunk_indices: torch.Tensor | None = None) -> object | None:
     """Per-batch data for :func:`gdn_chunk_prefill` (e.g. chunk indices), computed once per batch.
 
     Asks the backend that ``gdn_chunk_prefill`` uses on ``cu_seqlens``' device; ``None`` when that
@@ -690,6 +691,9 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *,
     has them on the host (a host that built the batch does), so the backend need not read them back
     from the device, which waits for all work queued before. ``table``: the device copy of
     :func:`gdn_chunk_table` of ``offsets`` (needs ``offsets``): the backend then copies nothing.
+    ``chunk_indices``: ``[n, 2]`` int (sequence, chunk within it) pairs of ``chunk_size``-token chunks on the
+    device, as FLA's ``prepare_chunk_indices`` (and vLLM's GDN metadata) hold them: the backend derives its
+    data from them on the device, with no read-back and no host offsets.
     """
     chk.tensor("cu_seqlens", cu_seqlens, ndim=1, dtypes=chk.INDEX_DTYPES)
     chk.positive_int("chunk_size", chunk_size, maximum=256)
@@ -699,10 +703,17 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *,
         if offsets is None:
             raise ValueError("table needs offsets: the values of cu_seqlens it was built from")
         chk.tensor("table", table, device=cu_seqlens.device, dtypes=(torch.int32,))
+    if chunk_indices is not None:
+        if offsets is not None or table is not None:
+            raise ValueError("pass chunk_indices alone, or offsets (with an optional table), not both")
+        chk.tensor("chunk_indices", chunk_indices, ndim=2, device=cu_seqlens.device, dtypes=chk.INDEX_DTYPES)
+        chk.shape("chunk_indices", chunk_indices, [None, 2])
     choice = probe.choose("gdn_chunk_prefill", cu_seqlens.device)
     prepare = getattr(backends.load(choice.backend), "prepare_gdn_metadata", None)
     if not callable(prepare):
         return None
+    if chunk_indices is not None:
+        return prepare(cu_seqlens, chunk_size, chunk_indices=chunk_indices)
     if offsets is None:
         return prepare(cu_seqlens, chunk_size)
     return prepare(cu_seqlens, chunk_size, offsets=offsets, table=table)

@@ -51,6 +51,11 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, Suppo
 from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
+try:  # the chunk size of the FLA chunk indices vLLM's GDN metadata builder computes
+    from vllm.third_party.flash_linear_attention.ops.utils import FLA_CHUNK_SIZE
+except ImportError:  # another vLLM layout: the metadata is then built from cu_seqlens (one read-back per step)
+    FLA_CHUNK_SIZE = None
+
 from qwen35 import ops
 from qwen35.checkpoint import load_weights
 from qwen35.config import Qwen35Config
@@ -140,10 +145,16 @@ class VllmGDNState(MambaBase, nn.Module):
 
 def _prefill_metadata(md: GDNAttentionMetadata, cu: torch.Tensor) -> object | None:
     """Chunk metadata for this batch's prefills, computed by the first GDN layer and reused by the rest
-    (every GDN layer of a step shares one metadata object)."""
+    (every GDN layer of a step shares one metadata object). From the FLA chunk indices vLLM's GDN builder
+    computed on the host and sent (no read-back of ``cu``) when it did; else from ``cu`` (one read-back)."""
     cached = getattr(md, "_qwen35_prefill_metadata", None)
     if cached is None:
-        cached = md._qwen35_prefill_metadata = ops.prepare_gdn_metadata(cu)
+        indices = getattr(md, "chunk_indices", None)
+        if indices is not None and FLA_CHUNK_SIZE is not None:
+            cached = ops.prepare_gdn_metadata(cu, FLA_CHUNK_SIZE, chunk_indices=indices)
+        else:
+            cached = ops.prepare_gdn_metadata(cu)
+        md._qwen35_prefill_metadata = cached
     return cached
 
 

@@ -334,6 +334,16 @@ def test_facade_forced_triton_selftests_and_runs(fresh_probe, monkeypatch):
             ops.prepare_gdn_metadata(cu, offsets=bad[1], table=bad[0])
     with pytest.raises(ValueError, match="non-empty list"):
         ops.gdn_chunk_table([], DEV)
+    # FLA's (sequence, chunk) indices, as vLLM's GDN metadata carries them: the table is derived on the device
+    fla = torch.tensor([[0, 0], [1, 0], [1, 1]], dtype=torch.int32, device=DEV)
+    from_fla = ops.prepare_gdn_metadata(cu, 64, chunk_indices=fla)
+    assert from_fla.num_chunks == meta.num_chunks and torch.equal(from_fla.chunk_bounds, meta.chunk_bounds)
+    none = ops.prepare_gdn_metadata(cu_from_lens([0, 0], DEV), 64, chunk_indices=fla[:0])
+    assert none.num_chunks == 0
+    for kw, msg in ((dict(chunk_size=32), "32-token chunks"), (dict(offsets=[0, 3, 69]), "chunk_indices alone"),
+                    (dict(chunk_indices=fla[:, :1].contiguous()), "chunk_indices has shape")):
+        with pytest.raises(ValueError, match=msg):
+            ops.prepare_gdn_metadata(cu, **{"chunk_indices": fla, **kw})
     for bad, msg in (([0, 3], "holds 2 offsets"), ([1, 3, 69], "must start at 0"), ([0, 5, 3], "non-decreasing"),
                      (cu, "not a tensor"), ([0, 3.0, 69], "must hold ints")):
         with pytest.raises(ValueError, match=msg):

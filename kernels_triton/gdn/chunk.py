@@ -87,7 +87,8 @@ def chunk_table_rows(offsets: Sequence[int]) -> int:
 
 
 def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offsets: Sequence[int] | None = None,
-                         table: torch.Tensor | None = None) -> GdnChunkMetadata:
+                         table: torch.Tensor | None = None,
+                         chunk_indices: torch.Tensor | None = None) -> GdnChunkMetadata:
     """Chunk table for a batch: built on the host from ``offsets`` (the values of ``cu_seqlens``), read back
     from the device when not given (one host synchronisation, here, instead of one per layer).
 
@@ -95,8 +96,25 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offs
     caller with its other per-step data: no copy here); it needs ``offsets``. This backend always uses
     ``CHUNK``-token chunks; ``chunk_size`` is accepted for the façade's signature (the result of the op does
     not depend on it beyond rounding). A table built here goes to the device from pinned memory: a copy from
-    pageable memory would wait for the work queued before it.
+    pageable memory would wait for the work queued before it. ``chunk_indices``: ``[n, 2]`` (sequence, chunk
+    within it) pairs of ``chunk_size``-token chunks on the device, as FLA's ``prepare_chunk_indices`` and vLLM's
+    GDN metadata hold them; the table is computed from them on the device, nothing read back (needs
+    ``chunk_size == CHUNK``).
     """
+    if chunk_indices is not None:
+        if chunk_size != CHUNK:
+            raise ValueError(f"chunk_indices are of {chunk_size}-token chunks; this backend's are {CHUNK}")
+        if chunk_indices.dim() != 2 or chunk_indices.shape[1] != 2 or chunk_indices.device != cu_seqlens.device:
+            raise ValueError(f"chunk_indices must be [n, 2] on {cu_seqlens.device}, got {list(chunk_indices.shape)} "
+                             f"on {chunk_indices.device}")
+        n = chunk_indices.shape[0]
+        if n == 0:
+            return GdnChunkMetadata(torch.zeros(1, 2, dtype=torch.int32, device=cu_seqlens.device), 0, CHUNK,
+                                    cu_seqlens, cu_seqlens._version)
+        cu, seq = cu_seqlens.long(), chunk_indices[:, 0].long()
+        start = cu[seq] + chunk_indices[:, 1].long() * CHUNK
+        bounds = torch.stack([start, torch.minimum(start + CHUNK, cu[seq + 1])], dim=1).to(torch.int32)
+        return GdnChunkMetadata(bounds, n, CHUNK, cu_seqlens, cu_seqlens._version)
     if table is not None:
         if offsets is None:
             raise ValueError("a chunk table on the device needs the offsets it was built from")
