@@ -312,11 +312,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run_benchmark(out: Path, shapes: list[str], ms: list[int],
-                  shared_breakdown_max_m: int = SHARED_BREAKDOWN_MAX_M) -> list[dict]:
+                  shared_breakdown_max_m: int = SHARED_BREAKDOWN_MAX_M, tag: str = "") -> list[dict]:
     ceil = dict(_bench.ceilings())
     print(f"ceilings: copy {ceil['copy_GBps']:.0f} GB/s, bf16 {ceil['bf16_TFLOPs']:.0f} TFLOP/s", flush=True)
     rows = []
-    name_json = f"moe_{_config_slug()}"
+    name_json = f"moe_{tag + '_' if tag else ''}{_config_slug()}"
     meta = dict(ceilings=ceil, shapes={n: SHAPES[n] for n in shapes}, ms=list(ms), note=__doc__.split("\n")[0])
     path = None
     for name in shapes:
@@ -506,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
                     "last blocks, at 64- and 128-row blocks")
     ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
                     help="also time each stage with the shared expert up to this many tokens")
+    ap.add_argument("--tag", default="", help="inserted into the result file name (moe_<tag>_<device>.json)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_moe needs a CUDA device; nothing to do")
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         run_tuning(out, shapes, ms, args.tune_budget_s, merge=args.merge)
     else:
         ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else MS)
-        run_benchmark(out, shapes, ms, args.shared_breakdown_max_m)
+        run_benchmark(out, shapes, ms, args.shared_breakdown_max_m, tag=args.tag)
     return 0
 
 
