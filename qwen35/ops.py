@@ -12,7 +12,9 @@ GDN heads: ``H`` key heads of dim ``K`` (q, k), ``HV`` value heads of dim ``V`` 
 Gating, per token and value head: ``g`` is the log-decay (fp32, <= 0) and ``beta`` the write
 strength in (0, 1) (post-sigmoid). Either pass ``g`` and ``beta``, or pass the raw projections
 ``a``, ``b`` ``[T, HV]`` with ``A_log``, ``dt_bias`` ``[HV]`` and the op computes
-``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` in fp32.
+``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)`` in fp32. The gating tensors may be
+views into a wider buffer (e.g. columns of one projection output) as long as each row's HV values are
+adjacent; q, k and v are contiguous.
 
 Recurrent state: ``S`` per sequence is ``[HV, K, V]`` fp32, updated per token as
 ``S <- exp(g) S;  S <- S + beta k (v - S^T k)^T;  o = S^T q`` (q, k optionally L2-normalised,
