@@ -1,9 +1,10 @@
 """Does a 1x8192 prefill step's time follow the GPU clock? Per-step times with nvidia-smi samples.
 
 Times single prefill steps of the standalone model (35B-A3B width, random weights, as ``bench_model``)
-issued back to back and with an idle gap before each, while ``nvidia-smi`` samples the SM clock, power
-draw, temperature and the active clock-event (throttle) reasons every 20 ms; then the host cost of the
-step layout right after a device synchronisation and in a loop. Reports, never asserts.
+issued back to back and with an idle gap before each (the host sleeping, or spinning), while
+``nvidia-smi`` samples the SM clock, power draw, temperature and the active clock-event (throttle)
+reasons every 20 ms; then the host cost of the step layout right after a device synchronisation and
+in a loop. Reports, never asserts.
 
     python -m tuning.clock_probe --out OUT [--layers 8] [--idle-ms 50]
 """
@@ -28,18 +29,30 @@ from tuning import _bench, bench_model  # noqa: E402
 SMI_FIELDS = "timestamp,clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
 
 
-def _series(step, n: int, idle_s: float) -> list[tuple[float, float]]:
-    """(wall-clock start, ms) of ``n`` steps, each timed with CUDA events, ``idle_s`` of GPU idle before each."""
+def _series(step, n: int, idle_s: float, poll: bool = False) -> list[tuple[float, float]]:
+    """(wall-clock start, ms) of ``n`` steps, each timed with CUDA events, ``idle_s`` of GPU idle before each.
+
+    ``poll``: wait for each step by querying its end event in a loop (the host thread stays busy) instead of
+    ``synchronize()``: if the host's first work after a wait is slow (a descheduled vCPU, cold caches), the
+    start of the next step is slow in the one case and not in the other."""
     out = []
     for _ in range(n):
         if idle_s:
-            time.sleep(idle_s)
+            end = time.perf_counter() + idle_s
+            while poll and time.perf_counter() < end:
+                pass
+            if not poll:
+                time.sleep(idle_s)
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         t0 = time.time()
         a.record()
         step()
         b.record()
-        b.synchronize()
+        if poll:
+            while not b.query():
+                pass
+        else:
+            b.synchronize()
         out.append((t0, a.elapsed_time(b)))
     return out
 
@@ -81,8 +94,10 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(5):
             step()
         torch.cuda.synchronize()
+        idle = args.idle_ms / 1e3
         series = {"back to back": _series(step, args.steps, 0.0),
-                  f"{args.idle_ms:g} ms idle before each": _series(step, args.steps, args.idle_ms / 1e3),
+                  f"{args.idle_ms:g} ms idle before each": _series(step, args.steps, idle),
+                  f"{args.idle_ms:g} ms idle before each, host polling": _series(step, args.steps, idle, poll=True),
                   "back to back, again": _series(step, args.steps, 0.0)}
         after_sync, loop = [], []
         for _ in range(20):
