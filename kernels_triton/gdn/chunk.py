@@ -153,10 +153,12 @@ def _chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Ten
 # ----------------------------------------------------------------------------- kernels
 
 
-def gate_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The gating pair (a, b or g, beta), ``[..., HV]``, as rows of HV values a common stride apart: ``(x, y,
-    row stride)``. Views into a wider projection output (the model's b | a columns) keep their memory; a pair
-    whose rows cannot be addressed that way is copied."""
+def gate_rows(g: torch.Tensor | None, beta: torch.Tensor | None, a: torch.Tensor | None,
+              b: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """``(g, beta, a, b, row stride)``: the given gating pair (a, b, else g, beta), ``[..., HV]``, as rows of HV
+    values a common stride apart. Views into a wider projection output (the model's b | a columns) keep their
+    memory; a pair whose rows cannot be addressed that way is copied."""
+    x, y = (a, b) if a is not None else (g, beta)
     HV = x.shape[-1]
     try:
         xs, ys = x.view(-1, HV), y.view(-1, HV)
@@ -164,8 +166,10 @@ def gate_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
         xs = ys = None
     if (xs is not None and xs.stride(0) == ys.stride(0) and (HV <= 1 or xs.stride(1) == ys.stride(1) == 1)
             and xs.shape[0] > 0):
-        return x, y, xs.stride(0)
-    return x.contiguous(), y.contiguous(), HV
+        stride = xs.stride(0)
+    else:
+        x, y, stride = x.contiguous(), y.contiguous(), HV
+    return (g, beta, x, y, stride) if a is not None else (x, y, a, b, stride)
 
 
 @triton.jit
@@ -685,10 +689,7 @@ def gdn_chunk_prefill(
     for name, st in (("initial_state", initial_state), ("state_pool", state_pool)):
         if st is not None and st.dtype is not torch.float32 and st.dtype is not torch.float64:
             raise ValueError(f"{name} has dtype {st.dtype}; states are fp32 (fp64 accepted)")
-    if a is not None:
-        a, b, gate_stride = gate_rows(a, b)
-    else:
-        g, beta, gate_stride = gate_rows(g, beta)
+    g, beta, a, b, gate_stride = gate_rows(g, beta, a, b)
     scale = K**-0.5 if scale is None else float(scale)
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else 1

@@ -135,10 +135,7 @@ def gdn_recurrent_step(
     o = torch.empty(B, T, HV, V, dtype=q.dtype, device=q.device) if out is None else out
     if B == 0:
         return o
-    if a is not None:
-        a, b, gate_stride = gate_rows(a, b)
-    else:
-        g, beta, gate_stride = gate_rows(g, beta)
+    g, beta, a, b, gate_stride = gate_rows(g, beta, a, b)
     cfg = step_config or _step_config(q.device, B, HV, V)
     BV = cfg["BV"]
     _launch_step(
