@@ -343,8 +343,8 @@ def install_ranges(ours):
     model.embed_tokens.forward = _ranged("embed", model.embed_tokens.forward)
     model.logits = _ranged("lm_head", model.logits)
     ours._layout = _ranged("host:layout", ours._layout)
-    patched = [ours, model, model.embed_tokens] + [m for layer in model.layers for m in
-                                                    (layer, layer.mlp, *layer.mixer.children())]
+    patched = [ours, model, model.embed_tokens] + [m for layer in model.layers
+                                                   for m in (layer, layer.mlp, *layer.mixer.children())]
 
     def undo() -> None:
         for op, fn in saved_ops.items():
