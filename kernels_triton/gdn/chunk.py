@@ -160,15 +160,18 @@ def gate_rows(g: torch.Tensor | None, beta: torch.Tensor | None, a: torch.Tensor
     memory; a pair whose rows cannot be addressed that way is copied."""
     x, y = (a, b) if a is not None else (g, beta)
     HV = x.shape[-1]
-    try:
-        xs, ys = x.view(-1, HV), y.view(-1, HV)
-    except RuntimeError:  # leading dims not flattenable without a copy
-        xs = ys = None
-    if (xs is not None and xs.stride(0) == ys.stride(0) and (HV <= 1 or xs.stride(1) == ys.stride(1) == 1)
-            and xs.shape[0] > 0):
-        stride = xs.stride(0)
+    if x.is_contiguous() and y.is_contiguous():  # the common case first: host time matters at short prompts
+        stride = HV
     else:
-        x, y, stride = x.contiguous(), y.contiguous(), HV
+        try:
+            xs, ys = x.view(-1, HV), y.view(-1, HV)
+        except RuntimeError:  # leading dims not flattenable without a copy
+            xs = ys = None
+        if (xs is not None and xs.stride(0) == ys.stride(0) and (HV <= 1 or xs.stride(1) == ys.stride(1) == 1)
+                and xs.shape[0] > 0):
+            stride = xs.stride(0)
+        else:
+            x, y, stride = x.contiguous(), y.contiguous(), HV
     return (g, beta, x, y, stride) if a is not None else (x, y, a, b, stride)
 
 
