@@ -66,7 +66,7 @@ def chunk_table(offsets: Sequence[int], out: np.ndarray | None = None) -> np.nda
     """The chunk table of a batch, built on the host from the sequence offsets (``cu_seqlens``' values): int32
     ``[max(n, 1), 2]`` holding (first token, end token) of each of the n chunks, in order (one empty row when
     n = 0). Written into ``out`` (a flat int32 array of that many values, e.g. part of a caller's pinned
-    step buffer) when given. See :func:`chunk_table_rows` for the size."""
+    step buffer) when given; n is :func:`num_chunks` of the offsets."""
     offs = np.asarray(offsets, dtype=np.int64)
     counts = -(-(offs[1:] - offs[:-1]) // CHUNK)  # chunks per sequence (none for an empty one)
     n = int(counts.sum())
@@ -81,9 +81,10 @@ def chunk_table(offsets: Sequence[int], out: np.ndarray | None = None) -> np.nda
     return rows
 
 
-def chunk_table_rows(offsets: Sequence[int]) -> int:
-    """Rows of :func:`chunk_table` for these offsets: the number of chunks, at least 1."""
-    return max(1, sum(-(-(e - s) // CHUNK) for s, e in itertools.pairwise(offsets)))
+def num_chunks(offsets: Sequence[int]) -> int:
+    """The number of CHUNK-token chunks of the sequences ``offsets`` delimits (:func:`chunk_table` has
+    ``max(n, 1)`` rows)."""
+    return sum(-(-(e - s) // CHUNK) for s, e in itertools.pairwise(offsets))
 
 
 def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offsets: Sequence[int] | None = None,
@@ -118,19 +119,18 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offs
     if table is not None:
         if offsets is None:
             raise ValueError("a chunk table on the device needs the offsets it was built from")
-        rows = chunk_table_rows(offsets)
+        n = num_chunks(offsets)
+        rows = max(n, 1)
         if (table.dtype != torch.int32 or tuple(table.shape) != (rows, 2) or table.device != cu_seqlens.device
                 or not table.is_contiguous()):
             raise ValueError(f"table must be a contiguous int32 [{rows}, 2] tensor on {cu_seqlens.device} (the chunk "
                              f"table of offsets {list(offsets)[:8]}...), got {table.dtype} {list(table.shape)} on "
                              f"{table.device}")
-        n = rows if rows > 1 or offsets[-1] > offsets[0] else 0
         return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, cu_seqlens._version)
     offs = cu_seqlens.tolist() if offsets is None else list(offsets)
-    rows = chunk_table_rows(offs)
-    host = torch.empty(rows, 2, dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
+    n = num_chunks(offs)
+    host = torch.empty(max(n, 1), 2, dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
     chunk_table(offs, host.numpy())
-    n = rows if rows > 1 or offs[-1] > offs[0] else 0
     return GdnChunkMetadata(host.to(cu_seqlens.device, non_blocking=True), n, CHUNK, cu_seqlens, cu_seqlens._version)
 
 
