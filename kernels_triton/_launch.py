@@ -41,6 +41,20 @@ def aligned16(n: int) -> int:
     return -(-n // 4) * 4
 
 
+def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_scratch_allocator() -> None:
+    """Give Triton a global-memory allocator (torch's caching allocator) unless one is set in this thread: kernels
+    that build tensor descriptors on the device (``tl.make_tensor_descriptor``) need a scratch buffer per launch.
+    Triton keeps the allocator in a context variable, so each launching thread sets it (a lookup when set)."""
+    from triton.runtime import _allocation
+
+    if _allocation._allocator.get() is _allocation._NULL_ALLOCATOR:
+        triton.set_allocator(_scratch)
+
+
 def _getter(idx: list[int]):
     """``args -> tuple(args[i] for i in idx)`` at C speed (itemgetter returns a bare item for one index)."""
     if len(idx) > 1:

@@ -411,6 +411,12 @@ down = {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weights_ptr": f32, "y_ptr
 for bm, bn, bk, warps, stages, tiles_n in ((128, 256, 64, 8, 4, 4), (128, 256, 128, 8, 2, 16), (64, 128, 64, 4, 4, 8)):
     build(X._down_kernel, down, dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True,
                                      IEEE=False, TILES_N=tiles_n, SUB_LEVELS=X.sub_levels(bm)), warps, stages)  # flat
+for bm, bn, bk, warps, stages, tiles_n in ((128, 128, 64, 8, 4, 1), (128, 256, 64, 8, 4, 4)):  # weight tiles by TMA
+    tma = dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True, IEEE=False,
+               SUB_LEVELS=X.sub_levels(bm), TMA=True)
+    build(X._gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf}, dict(tma, BLOCK_N=128),
+          warps, stages)
+    build(X._down_kernel, down, dict(tma, TILES_N=tiles_n), warps, stages)
 build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=True, BLOCK_H=1024))
 print("built")
 '''

@@ -50,6 +50,39 @@ def test_down_flat_tiles_bit_identical(dtype, H, I, block_k):
             assert_close(y[slot], want, 2e-3 if dtype == torch.float16 else 1e-5, f"slot {slot}")
 
 
+@pytest.mark.parametrize("H,I,block_k", [(64, 32, 16), (80, 48, 32)])  # 80 / 48: ragged K tiles, N tiles that fit
+def test_tma_weight_tiles_match(H, I, block_k):
+    """Weight tiles through tensor descriptors (``tma=True``; the interpreter emulates them on CPU) give the
+    pointer path's rows in both GEMMs, one tile per program and in the flat loop; fp16 (bf16 on GPU only)."""
+    gen = torch.Generator().manual_seed(9)
+    E, M, k, block_m, block_n = 4, 13, 2, 16, 16
+    ids = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(M)]).to(torch.int32).to(DEVICE)
+    weights = torch.rand(M, k, generator=gen).to(DEVICE)
+    al = talign.align(ids, n_local=E, block_m=block_m)
+    x = torch.randn(M, H, generator=gen).to(DEVICE, torch.float16)
+    w13 = (torch.randn(E, 2 * I, H, generator=gen) * H**-0.5).to(DEVICE, torch.float16)
+    w2 = (torch.randn(E, H, I, generator=gen) * I**-0.5).to(DEVICE, torch.float16)
+    cfg = GemmConfig(block_m, block_n, block_k, 4, 2)
+    starts, counts = al.group_start.tolist(), al.group_count.tolist()
+    real = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts, strict=True)]).to(DEVICE)
+    h = texperts.gate_up(x, w13, None, al, k, cfg, tma=False)
+    h_tma = texperts.gate_up(x, w13, None, al, k, cfg, tma=True)
+    assert_close(h_tma[real].double().cpu(), h[real].double().cpu(), 2e-3, "h")
+    y = texperts.down(h, w2, None, al, weights, cfg, tiles_n=1, tma=False)
+    for tiles_n in (1, 3):
+        assert_close(texperts.down(h, w2, None, al, weights, cfg, tiles_n=tiles_n, tma=True).double().cpu(),
+                     y.double().cpu(), 2e-3, f"y, tiles_n={tiles_n}")
+
+
+def test_tma_refused_where_impossible():
+    """fp32 has no descriptor path: asking for it is an error that names the reason, not a silent fallback."""
+    al = talign.align(torch.zeros(2, 1, dtype=torch.int32, device=DEVICE), n_local=1, block_m=16)
+    x = torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        texperts.gate_up(x, torch.randn(1, 32, 32, device=DEVICE), None, al, 1, GemmConfig(16, 16, 16, 4, 2),
+                         tma=True)
+
+
 def test_down_tiles_rule():
     """Decode-sized blocks keep one tile per program; larger blocks take about 32 K steps per program."""
     assert texperts.down_tiles_per_program(GemmConfig(16, 128, 64, 4, 5), 2048, 512) == 1

@@ -213,6 +213,52 @@ def down_flat_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
     return rows
 
 
+def tma_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
+    """gate_up and down alone (graph replay, shared expert fused as in the model) with their weight tiles loaded by
+    pointers (as before) and through tensor descriptors (TMA, ``experts.gate_up(tma=True)``), at the configured tile
+    and with one stage more; rel = the TMA output against the pointer path's."""
+    from kernels_triton.moe import align, config, experts, routing
+
+    rows = []
+    for name in shapes:
+        E, k, H, I = SHAPES[name]
+        w = _weights(E, H, I)
+        sw13, sw2, gate = w["shared"]
+        for M in ms:
+            x = _x(M, H)
+            up_cfg, down_cfg = config.configs(M, k, E, H, I, x.dtype, x.device)
+            logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
+            weights, _, al = align.route_and_align(logits, n_splits, k, True, n_experts=E, n_local=E,
+                                                   block_m=up_cfg.BLOCK_M, expert_map=None, gate=True, shared=True)
+            starts, counts = al.group_start.tolist(), al.group_count.tolist()
+            written = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts, strict=True)]).to(x.device)
+            h = experts.gate_up(x, w["w13"], sw13, al, k + 1, up_cfg, tma=False)
+            y = experts.down(h, w["w2"], sw2, al, weights, down_cfg, tma=False)
+            flops = 2 * M * (k + 1) * H * I
+            for which, base, fn, want in (
+                    ("gate_up", up_cfg, functools.partial(experts.gate_up, x, w["w13"], sw13, al, k + 1), h),
+                    ("down", down_cfg, functools.partial(experts.down, h, w["w2"], sw2, al, weights), y)):
+                for stages in (base.num_stages, base.num_stages + 1):
+                    cfg = config.GemmConfig(base.BLOCK_M, base.BLOCK_N, base.BLOCK_K, base.num_warps, stages)
+                    for tma in (False, True) if stages == base.num_stages else (True,):
+                        call = functools.partial(fn, cfg, tma=tma)
+                        try:
+                            got = call()
+                            same = got[written] if which == "gate_up" else got
+                            ref = want[written] if which == "gate_up" else want
+                            ms_ = _gpu_ms(call, M)
+                            r = dict(sweep="tma", which=which, shape=f"{name} M={M}", config=cfg.as_dict(), tma=tma,
+                                     us=round(ms_ * 1e3, 1),
+                                     TFLOPs=round((2 if which == "gate_up" else 1) * flops / ms_ / 1e9, 1),
+                                     rel_vs_pointer=round(_rel(same, ref), 6))
+                        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record and go on
+                            r = dict(sweep="tma", which=which, shape=f"{name} M={M}", config=cfg.as_dict(), tma=tma,
+                                     error=f"{type(e).__name__}: {str(e)[:200]}")
+                        _record(rows, r, out, "moe_tma")
+        torch.cuda.empty_cache()
+    return rows
+
+
 SUB_SWEEP_CONFIGS = {  # (gate_up, down) as (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the tuned 35B 4096 / 16384 ones
     64: ((64, 256, 64, 8, 3), (64, 128, 64, 4, 4)),
     128: ((128, 128, 64, 8, 4), (128, 256, 64, 8, 4)),
@@ -502,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
     ap.add_argument("--down-flat", action="store_true", help="sweep the down GEMM's column tiles per program")
+    ap.add_argument("--tma", action="store_true", help="both expert GEMMs with weight tiles by pointers and by TMA")
     ap.add_argument("--sub-tiles", action="store_true", help="gate_up/down with and without shorter tiles for short "
                     "last blocks, at 64- and 128-row blocks")
     ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
@@ -515,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.down_flat:
         down_flat_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1024, 4096, 16384])
+        return 0
+    if args.tma:
+        tma_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1, 16, 1024, 4096, 8192, 16384])
         return 0
     if args.sub_tiles:
         sub_tiles_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [2048, 4096, 8192, 16384])

@@ -15,11 +15,15 @@ HAS_SHARED) uses ``shared_w13 [2I, H]`` / ``shared_w2 [H, I]``. Pointer offsets 
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
-from kernels_triton._launch import DirectLauncher
+from kernels_triton._launch import DirectLauncher, ensure_scratch_allocator
 from kernels_triton.moe.align import Alignment
 from kernels_triton.moe.config import GemmConfig
 from kernels_triton.moe.routing import cdiv, pow2
@@ -56,7 +60,7 @@ def _expert_weights(w_ptr, shared_w_ptr, group, expert_numel, E_LOCAL, HAS_SHARE
 @triton.jit
 def _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BM: tl.constexpr,
                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr,
-                  IEEE: tl.constexpr):
+                  IEEE: tl.constexpr, TMA: tl.constexpr):
     """One BM x BLOCK_N tile of h (both halves, SiLU-mul epilogue) for the aligned rows from ``row0``."""
     rows, real, slots = _tile_rows(row0, start, count, sorted_ptr, BM)
     cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -67,25 +71,39 @@ def _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, 
     u_ptrs = g_ptrs + I * H  # the up rows follow the gate rows
     acc_g = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        if EVEN_K and EVEN_N:
-            a = tl.load(a_ptrs)
-            bg = tl.load(g_ptrs)
-            bu = tl.load(u_ptrs)
-        else:
-            k_ok = (ks + k0) < H
-            a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
-            bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-            bu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        if IEEE:  # fp32 inputs: full fp32 products, not tf32
-            acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-            acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-        else:
-            acc_g = tl.dot(a, bg, acc_g)
-            acc_u = tl.dot(a, bu, acc_u)
-        a_ptrs += BLOCK_K
-        g_ptrs += BLOCK_K
-        u_ptrs += BLOCK_K
+    if TMA:  # weight tiles by the tensor-memory accelerator (sm_90+; needs EVEN_N: a ragged gate tile would reach
+        # into the up rows): K-contiguous [BLOCK_N, BLOCK_K] tiles, zero-filled past H; the x rows stay a gather
+        w_desc = tl.make_tensor_descriptor(w_base, shape=[2 * I, H], strides=[H, 1], block_shape=[BLOCK_N, BLOCK_K])
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+            else:
+                a = tl.load(a_ptrs, mask=(ks + k0 < H)[None, :], other=0.0)
+            bg = w_desc.load([tile_n * BLOCK_N, k0])
+            bu = w_desc.load([I + tile_n * BLOCK_N, k0])
+            acc_g = tl.dot(a, bg.T, acc_g)
+            acc_u = tl.dot(a, bu.T, acc_u)
+            a_ptrs += BLOCK_K
+    else:
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K and EVEN_N:
+                a = tl.load(a_ptrs)
+                bg = tl.load(g_ptrs)
+                bu = tl.load(u_ptrs)
+            else:
+                k_ok = (ks + k0) < H
+                a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+                bg = tl.load(g_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+                bu = tl.load(u_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            if IEEE:  # fp32 inputs: full fp32 products, not tf32
+                acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
+                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(a, bg, acc_g)
+                acc_u = tl.dot(a, bu, acc_u)
+            a_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
     act = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     h_ptrs = h_ptr + rows.to(tl.int64)[:, None] * I + cols[None, :]
     tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
@@ -95,7 +113,8 @@ def _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, 
 def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                     total_blocks_ptr, h_ptr, H, I, SLOTS, E_LOCAL, HAS_SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SUB_LEVELS: tl.constexpr = 0):
+                    EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SUB_LEVELS: tl.constexpr = 0,
+                    TMA: tl.constexpr = False):
     """One aligned block times one column tile. With SUB_LEVELS, a group's last block holding at most
     BLOCK_M / 2 (/ 4 with two levels) real rows runs a tile of that height: its padding rows cost no MMA work."""
     pid = tl.program_id(0)
@@ -109,15 +128,15 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, gro
     if SUB_LEVELS >= 2:
         if n_real <= BLOCK_M // 4:
             _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BLOCK_M // 4,
-                          BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE)
+                          BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TMA)
             return
     if SUB_LEVELS >= 1:
         if n_real <= BLOCK_M // 2:
             _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BLOCK_M // 2,
-                          BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE)
+                          BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TMA)
             return
     _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BLOCK_M,
-                  BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE)
+                  BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TMA)
 
 
 @triton.jit
@@ -136,11 +155,28 @@ def _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN: tl.constexpr, IEEE:
 
 
 @triton.jit
+def _down_step_tma(a_ptrs, w_desc, acc, n0, k0, ks, I, EVEN_K: tl.constexpr):
+    """:func:`_down_step` with the weight tile from a tensor descriptor (bf16 / fp16 only)."""
+    if EVEN_K:
+        a = tl.load(a_ptrs)
+    else:
+        a = tl.load(a_ptrs, mask=(ks + k0 < I)[None, :], other=0.0)
+    return tl.dot(a, w_desc.load([n0, k0]).T, acc)
+
+
+@triton.jit
+def _down_store(acc, weight, y_rows, real, cols, H):
+    """Epilogue of one down tile: the router weight applied, the real rows' columns below H stored."""
+    out = acc * weight[:, None]
+    tl.store(y_rows + cols[None, :], out.to(y_rows.dtype.element_ty), mask=real[:, None] & (cols < H)[None, :])
+
+
+@triton.jit
 def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
                  total_blocks_ptr, weights_ptr, y_ptr, H, I, E_LOCAL, HAS_SHARED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr = 1,
-                 SUB_LEVELS: tl.constexpr = 0):
+                 SUB_LEVELS: tl.constexpr = 0, TMA: tl.constexpr = False):
     """One aligned block times TILES_N column tiles of its expert's W2 (SUB_LEVELS: as in the gate_up kernel).
 
     TILES_N > 1 runs the tiles' K loops as one flat loop (the epilogue of a tile inside it), so the
@@ -160,22 +196,23 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
     if SUB_LEVELS >= 2:
         if n_real <= BLOCK_M // 4:
             _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile_n, n_tiles, H, I,
-                        BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N)
+                        BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N, TMA)
             return
     if SUB_LEVELS >= 1:
         if n_real <= BLOCK_M // 2:
             _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile_n, n_tiles, H, I,
-                        BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N)
+                        BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N, TMA)
             return
     _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile_n, n_tiles, H, I,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N, TMA)
 
 
 @triton.jit
 def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile0, n_tiles, H, I,
                 BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr):
-    """Column tiles ``tile0 ..`` (at most TILES_N) of the BM aligned rows from ``row0``.
+                EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr, TMA: tl.constexpr):
+    """Column tiles ``tile0 ..`` (at most TILES_N) of the BM aligned rows from ``row0`` (TMA: weight tiles by the
+    tensor-memory accelerator, K-contiguous ``[BLOCK_N, BLOCK_K]``, zero-filled past H and I).
 
     One tile: a plain K loop. Several: one loop over (tile, K step) pairs; a tile's result is scaled and stored
     at its last K step. Same K order per tile as the one-tile loop: same bits."""
@@ -190,27 +227,41 @@ def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, coun
         a_ptrs = a_rows + ks[None, :]
         b_ptrs = w_base + cols[None, :] * I + ks[:, None]
         acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            acc = _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN_K and EVEN_N, IEEE)
-            a_ptrs += BLOCK_K
-            b_ptrs += BLOCK_K
-        out = acc * weight[:, None]
-        tl.store(y_rows + cols[None, :], out.to(y_ptr.dtype.element_ty), mask=real[:, None] & col_ok[None, :])
+        if TMA:
+            w_desc = tl.make_tensor_descriptor(w_base, shape=[H, I], strides=[I, 1], block_shape=[BLOCK_N, BLOCK_K])
+            for k0 in range(0, I, BLOCK_K):
+                acc = _down_step_tma(a_ptrs, w_desc, acc, tile0 * BLOCK_N, k0, ks, I, EVEN_K)
+                a_ptrs += BLOCK_K
+        else:
+            for k0 in range(0, I, BLOCK_K):
+                acc = _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN_K and EVEN_N, IEEE)
+                a_ptrs += BLOCK_K
+                b_ptrs += BLOCK_K
+        _down_store(acc, weight, y_rows, real, cols, H)
     else:
         n_k = tl.cdiv(I, BLOCK_K)
         steps = tl.minimum(n_tiles - tile0, TILES_N) * n_k
         acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
-        for it in range(0, steps):
-            t = it // n_k
-            k0 = (it - t * n_k) * BLOCK_K
-            cols = (tile0 + t) * BLOCK_N + tl.arange(0, BLOCK_N)
-            acc = _down_step(a_rows + (k0 + ks)[None, :], w_base + cols[None, :] * I + (k0 + ks)[:, None], acc, k0,
-                             ks, I, cols < H, EVEN_K and EVEN_N, IEEE)
-            if k0 + BLOCK_K >= I:  # this tile's last K step: epilogue, then start the next tile from zero
-                out = acc * weight[:, None]
-                tl.store(y_rows + cols[None, :], out.to(y_ptr.dtype.element_ty),
-                         mask=real[:, None] & (cols < H)[None, :])
-                acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        if TMA:
+            w_desc = tl.make_tensor_descriptor(w_base, shape=[H, I], strides=[I, 1], block_shape=[BLOCK_N, BLOCK_K])
+            for it in range(0, steps):
+                t = it // n_k
+                k0 = (it - t * n_k) * BLOCK_K
+                acc = _down_step_tma(a_rows + (k0 + ks)[None, :], w_desc, acc, (tile0 + t) * BLOCK_N, k0, ks, I,
+                                     EVEN_K)
+                if k0 + BLOCK_K >= I:  # this tile's last K step: epilogue, then start the next tile from zero
+                    _down_store(acc, weight, y_rows, real, (tile0 + t) * BLOCK_N + tl.arange(0, BLOCK_N), H)
+                    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
+        else:
+            for it in range(0, steps):
+                t = it // n_k
+                k0 = (it - t * n_k) * BLOCK_K
+                cols = (tile0 + t) * BLOCK_N + tl.arange(0, BLOCK_N)
+                acc = _down_step(a_rows + (k0 + ks)[None, :], w_base + cols[None, :] * I + (k0 + ks)[:, None], acc,
+                                 k0, ks, I, cols < H, EVEN_K and EVEN_N, IEEE)
+                if k0 + BLOCK_K >= I:
+                    _down_store(acc, weight, y_rows, real, cols, H)
+                    acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
@@ -249,12 +300,53 @@ def sub_levels(block_m: int) -> int:
     return 2 if block_m >= 128 else 0
 
 
+TMA_ENV = "QWEN35_MOE_TMA"  # "0" / "1": force the weight-tile path of both expert GEMMs (default: tma_default)
+
+
+@functools.lru_cache(maxsize=16)
+def _capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def tma_possible(which: str, x: torch.Tensor, cfg: GemmConfig, H: int, I: int) -> bool:
+    """Whether ``which`` ('gate_up' / 'down') can read its weight tiles through tensor descriptors: a CUDA device of
+    compute capability 9.0+, bf16 / fp16, rows of 16-byte multiples and (gate_up) column tiles that divide I."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if x.device.type != "cuda":  # Triton's interpreter emulates descriptors (the CPU tests run this path)
+        return x.device.type == "cpu" and bool(knobs.runtime.interpret)
+    if _capability(x.device.index)[0] < 9:
+        return False
+    row = H if which == "gate_up" else I
+    return row % 8 == 0 and (which != "gate_up" or I % cfg.BLOCK_N == 0)
+
+
+def tma_default(which: str, x: torch.Tensor, cfg: GemmConfig, H: int, I: int) -> bool:
+    """The weight-tile path taken when the caller does not say: ``QWEN35_MOE_TMA`` if set, else off."""
+    env = os.environ.get(TMA_ENV)
+    return env == "1" and tma_possible(which, x, cfg, H, I)
+
+
+def _use_tma(which: str, tma: bool | None, x: torch.Tensor, cfg: GemmConfig, H: int, I: int) -> bool:
+    if tma is None:
+        tma = tma_default(which, x, cfg, H, I)
+    elif tma and not tma_possible(which, x, cfg, H, I):
+        raise ValueError(f"{which}: tensor-descriptor weight tiles need a CUDA device of compute capability 9.0+, "
+                         f"bf16/fp16 and 16-byte rows (got {x.device}, {x.dtype}, H={H}, I={I}, "
+                         f"BLOCK_N={cfg.BLOCK_N})")
+    if tma:
+        ensure_scratch_allocator()
+    return tma
+
+
 def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None, al: Alignment, slots: int,
-            cfg: GemmConfig, sub: int | None = None) -> torch.Tensor:
+            cfg: GemmConfig, sub: int | None = None, tma: bool | None = None) -> torch.Tensor:
     """``h`` ``[max_blocks * BLOCK_M, I]`` in aligned row order (padding rows unwritten).
 
-    ``sub``: tile-halving levels for a group's last block (default :func:`sub_levels`)."""
+    ``sub``: tile-halving levels for a group's last block (default :func:`sub_levels`). ``tma``: weight tiles
+    through tensor descriptors (default :func:`tma_default`); the same bits either way up to the MMA order."""
     H, I = x.shape[1], w13.shape[1] // 2
+    tma = _use_tma("gate_up", tma, x, cfg, H, I)
     h = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=x.device)
     grid = (al.max_blocks * cdiv(I, cfg.BLOCK_N),)
     _launch_gate_up[grid](
@@ -262,7 +354,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None,
         al.group_count, al.total_blocks, h, H, I, slots, w13.shape[0], HAS_SHARED=shared_w13 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=H % cfg.BLOCK_K == 0,
         EVEN_N=I % cfg.BLOCK_N == 0, IEEE=x.dtype == torch.float32,
-        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return h
 
 
@@ -280,13 +373,14 @@ def down_tiles_per_program(cfg: GemmConfig, H: int, I: int) -> int:
 
 
 def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: Alignment, weights: torch.Tensor,
-         cfg: GemmConfig, tiles_n: int | None = None, sub: int | None = None) -> torch.Tensor:
+         cfg: GemmConfig, tiles_n: int | None = None, sub: int | None = None, tma: bool | None = None) -> torch.Tensor:
     """``y`` ``[M * slots, H]``: each kept slot's expert output times its router weight (dropped rows unwritten).
 
     ``tiles_n``: column tiles per program (default :func:`down_tiles_per_program`); any value gives the same bits.
-    ``sub``: as in :func:`gate_up`.
+    ``sub``, ``tma``: as in :func:`gate_up`.
     """
     H, I = w2.shape[1], w2.shape[2]
+    tma = _use_tma("down", tma, h, cfg, H, I)
     y = torch.empty(weights.numel(), H, dtype=h.dtype, device=h.device)
     n_tiles = cdiv(H, cfg.BLOCK_N)
     tiles_n = max(1, min(tiles_n or down_tiles_per_program(cfg, H, I), n_tiles))
@@ -296,7 +390,8 @@ def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: 
         al.group_count, al.total_blocks, weights, y, H, I, w2.shape[0], HAS_SHARED=shared_w2 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
         EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32, TILES_N=tiles_n,
-        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y
 
 
