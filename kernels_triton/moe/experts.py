@@ -300,7 +300,8 @@ def sub_levels(block_m: int) -> int:
     return 2 if block_m >= 128 else 0
 
 
-TMA_ENV = "QWEN35_MOE_TMA"  # "0" / "1": force the weight-tile path of both expert GEMMs (default: tma_default)
+TMA_ENV = "QWEN35_MOE_TMA"  # "0" / "1": never / always (where possible) take the weight-tile descriptor path
+TMA_DOWN_MIN_ROWS = 256  # token-slots per group from which the down GEMM takes it by default (see tma_default)
 
 
 @functools.lru_cache(maxsize=16)
@@ -321,15 +322,27 @@ def tma_possible(which: str, x: torch.Tensor, cfg: GemmConfig, H: int, I: int) -
     return row % 8 == 0 and (which != "gate_up" or I % cfg.BLOCK_N == 0)
 
 
-def tma_default(which: str, x: torch.Tensor, cfg: GemmConfig, H: int, I: int) -> bool:
-    """The weight-tile path taken when the caller does not say: ``QWEN35_MOE_TMA`` if set, else off."""
+def tma_default(which: str, x: torch.Tensor, cfg: GemmConfig, H: int, I: int, rows_per_group: float) -> bool:
+    """Whether ``which`` reads its weight tiles through tensor descriptors when the caller does not say.
+
+    ``QWEN35_MOE_TMA`` = 0 / 1 decides if set. Else only the down GEMM, from TMA_DOWN_MIN_ROWS token-slots per
+    group on: H200 sweep (tuning/results/moe_tma_nvidia_h200.json, graph replay, same bits), down µs pointer ->
+    TMA: 35B M=8192 (288 slots per group) 425 -> 402, M=16384 721 -> 662, 397B-TP8 M=16384 (352) 827 -> 741;
+    fewer slots lost or tied (TP8 M=8192 (176) 466 -> 498, M=4096 283 -> 292, 35B M=4096 (144) 239 -> 235; decode
+    tiles 6.4 -> 7.4 µs at 35B M=1). gate_up moved -5..+3 % (639 -> 655 µs at 35B M=8192): it keeps pointers.
+    The interpreter takes the path only when asked (tests).
+    """
     env = os.environ.get(TMA_ENV)
-    return env == "1" and tma_possible(which, x, cfg, H, I)
+    if env is not None and env != "":
+        return env == "1" and tma_possible(which, x, cfg, H, I)
+    return (which == "down" and x.is_cuda and rows_per_group >= TMA_DOWN_MIN_ROWS
+            and tma_possible(which, x, cfg, H, I))
 
 
-def _use_tma(which: str, tma: bool | None, x: torch.Tensor, cfg: GemmConfig, H: int, I: int) -> bool:
+def _use_tma(which: str, tma: bool | None, x: torch.Tensor, cfg: GemmConfig, H: int, I: int,
+             rows_per_group: float) -> bool:
     if tma is None:
-        tma = tma_default(which, x, cfg, H, I)
+        tma = tma_default(which, x, cfg, H, I, rows_per_group)
     elif tma and not tma_possible(which, x, cfg, H, I):
         raise ValueError(f"{which}: tensor-descriptor weight tiles need a CUDA device of compute capability 9.0+, "
                          f"bf16/fp16 and 16-byte rows (got {x.device}, {x.dtype}, H={H}, I={I}, "
@@ -346,7 +359,7 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None,
     ``sub``: tile-halving levels for a group's last block (default :func:`sub_levels`). ``tma``: weight tiles
     through tensor descriptors (default :func:`tma_default`); the same bits either way up to the MMA order."""
     H, I = x.shape[1], w13.shape[1] // 2
-    tma = _use_tma("gate_up", tma, x, cfg, H, I)
+    tma = _use_tma("gate_up", tma, x, cfg, H, I, x.shape[0] * slots / al.n_groups)
     h = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=x.device)
     grid = (al.max_blocks * cdiv(I, cfg.BLOCK_N),)
     _launch_gate_up[grid](
@@ -380,7 +393,7 @@ def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: 
     ``sub``, ``tma``: as in :func:`gate_up`.
     """
     H, I = w2.shape[1], w2.shape[2]
-    tma = _use_tma("down", tma, h, cfg, H, I)
+    tma = _use_tma("down", tma, h, cfg, H, I, weights.numel() / al.n_groups)
     y = torch.empty(weights.numel(), H, dtype=h.dtype, device=h.device)
     n_tiles = cdiv(H, cfg.BLOCK_N)
     tiles_n = max(1, min(tiles_n or down_tiles_per_program(cfg, H, I), n_tiles))
