@@ -172,12 +172,6 @@ def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
         "down": lambda: experts.down(h, w["w2"], sw2, al, weights, down_cfg),
         "combine": lambda: experts.combine(y, al, M, slots),
     }
-    if align.fused_router_applies(M, top_k):  # what moe_block runs at these sizes instead of the first two
-        stages["router_route_align (fused)"] = lambda: align.router_route_align(
-            x, w["router_weight"], gate, top_k, True, n_local=E, block_m=up_cfg.BLOCK_M, expert_map=None,
-            shared=with_shared)
-    if experts.down_combine_applies(M, down_cfg, H, I):  # ... and instead of the last two
-        stages["down_combine (fused)"] = lambda: experts.down_combine(h, w["w2"], sw2, al, weights, down_cfg)
     return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()}
 
 
@@ -396,7 +390,7 @@ def run_benchmark(out: Path, shapes: list[str], ms: list[int],
                    if r.get("stages_shared_ms")]
     if stage_rows:
         print("GPU time per stage (ms, graph replay):")
-        print(_bench.format_table(stage_rows, list(dict.fromkeys(c for r in stage_rows for c in r))))
+        print(_bench.format_table(stage_rows, list(stage_rows[0])))
     print(f"wrote {path}")
     return rows
 
