@@ -55,31 +55,6 @@ def ensure_scratch_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
-_COUNTERS: dict[tuple, torch.Tensor] = {}
-_OUTGROWN: list[torch.Tensor] = []  # replaced counter buffers: captured CUDA graphs may still point at them
-
-
-def done_counters(n: int, device: torch.device) -> torch.Tensor:
-    """``n`` int32 zeros for "last program done" tickets (a kernel's programs count themselves in with an atomic
-    add; the one that draws the last ticket does the launch's final step and sets the counter back to 0).
-
-    One buffer per (device, current stream), kept across calls: launches on one stream run in order, so each finds
-    the counters at 0 without a memset of its own. Launches on other streams (and CUDA-graph captures, which run on
-    a capture stream) get their own buffer. The buffer only grows (a new zeroed one; the old one is kept alive, as a
-    captured graph may hold its address)."""
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        key = (index, torch._C._cuda_getCurrentRawStream(index))
-    else:
-        key = (device.type, 0)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < n:
-        if buf is not None:
-            _OUTGROWN.append(buf)
-        buf = _COUNTERS[key] = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-    return buf
-
-
 def _getter(idx: list[int]):
     """``args -> tuple(args[i] for i in idx)`` at C speed (itemgetter returns a bare item for one index)."""
     if len(idx) > 1:

@@ -314,37 +314,6 @@ def test_block_is_deterministic(multi_chunk, monkeypatch):
     assert_close(first, _ref_block(kw, 2), 4e-3, "moe_block")
 
 
-@pytest.mark.parametrize("M,mapped,shared", [(1, False, True), (2, True, True), (1, True, False), (3, False, True),
-                                             (16, True, False)])
-def test_fused_decode_launches_give_the_same_bits(M, mapped, shared, monkeypatch):
-    """Decode sizes: router GEMM + routing + alignment in one launch (M <= 2) and the top-k sum inside the down
-    GEMM's launch (M <= 16), each by its last program, give the separate launches' bits (dropped experts and the
-    shared expert included), and leave their ticket counters at 0 for the next launch."""
-    from kernels_triton import _launch
-    from kernels_triton.moe import experts as texperts
-    from kernels_triton.moe import ops as tops
-
-    gen = torch.Generator().manual_seed(40 + M)
-    kw = _block_inputs(gen, M, torch.float16, E=6)
-    if not shared:
-        kw.update(shared_w13=None, shared_w2=None, shared_gate_weight=None)
-    extra = {}
-    if mapped:
-        kw["router_weight"] = _rnd(gen, 9, 64, dtype=torch.float16)  # 9 global experts, 6 held here
-        extra["expert_map"] = torch.tensor([0, -1, 1, 2, -1, 3, 4, -1, 5], dtype=torch.int32, device=DEVICE)
-    used, down_combine = [], texperts.down_combine
-    monkeypatch.setattr(texperts, "down_combine", lambda *a, **k: used.append(1) or down_combine(*a, **k))
-    monkeypatch.setattr(tops, "FUSE_SMALL", True)
-    fused = [tmoe.moe_block(**kw, top_k=3, **extra) for _ in range(2)]
-    assert used, "the fused down + combine launch was not taken"
-    monkeypatch.setattr(tops, "FUSE_SMALL", False)
-    separate = tmoe.moe_block(**kw, top_k=3, **extra)
-    assert torch.equal(fused[0], separate) and torch.equal(fused[1], separate)
-    assert not _launch.done_counters(1, torch.device(DEVICE)).any(), "a ticket counter was left non-zero"
-    ref_kw = {k: v for k, v in kw.items() if v is not None}
-    assert_close(fused[0], _ref_block(ref_kw, 3, **{k: v.cpu() for k, v in extra.items()}), 4e-3, "moe_block")
-
-
 # ----------------------------------------------------------------------------- configs and façade
 
 
@@ -449,13 +418,6 @@ for bm, bn, bk, warps, stages, tiles_n in ((128, 128, 64, 8, 4, 1), (128, 256, 6
           warps, stages)
     build(X._down_kernel, down, dict(tma, TILES_N=tiles_n), warps, stages)
 build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=True, BLOCK_H=1024))
-build(X._down_combine_kernel, dict(down, out_ptr=bf), dict(HAS_SHARED=True, BLOCK_M=16, BLOCK_N=128, BLOCK_K=64,
-                                                          EVEN_K=True, EVEN_N=True, IEEE=False, SLOTS=11, M_PAD=16),
-      4, 5)  # decode: down + combine in one launch
-fused_router = dict(x_ptr=bf, w_ptr=bf, gate_w_ptr=bf, logits_ptr=f32, gate_ptr=f32, weights_ptr=f32)
-build(A._router_route_align_kernel, fused_router,
-      dict(route, ROWS=2, HAS_MAP=True, N_PAD=32, G_PAD=512, ALIGN_M=16, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128,
-           IEEE=False), 4)  # decode: router + route + align in one launch
 print("built")
 '''
 

@@ -38,17 +38,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._launch import DirectLauncher, aligned16, done_counters
-from kernels_triton.moe.routing import (
-    _route_tile,
-    _router_logits_tile,
-    cdiv,
-    gate_logits,
-    pow2,
-    route_launch_params,
-    route_warps,
-    router_buffers,
-)
+from kernels_triton._launch import DirectLauncher, aligned16
+from kernels_triton.moe.routing import _route_tile, cdiv, gate_logits, pow2, route_launch_params, route_warps
 
 SINGLE_CHUNK_MAX = 1024  # routed slots handled by one fused program
 FUSED_ROUTE_MAX_M = 2  # tokens whose routing runs in the same program as their alignment (H200: 16 tokens took
@@ -184,39 +175,6 @@ def _route_align_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, map_ptr, slo
 
 
 @triton.jit
-def _router_route_align_kernel(x_ptr, w_ptr, gate_w_ptr, logits_ptr, gate_ptr, done_ptr, weights_ptr, ids_ptr, map_ptr,
-                               slot_group_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
-                               group_count_ptr, total_blocks_ptr, M, H, E_GLOBAL, E_LOCAL, K_PER_SPLIT,
-                               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                               IEEE: tl.constexpr, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                               E_PAD: tl.constexpr, ROWS: tl.constexpr, RENORMALIZE: tl.constexpr,
-                               HAS_GATE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr,
-                               N_PAD: tl.constexpr, G_PAD: tl.constexpr, ALIGN_M: tl.constexpr):
-    """Decode: the router GEMM's tiles (as ``routing._router_logits_kernel``), and the program that finishes last
-    routes and aligns the tokens (as :func:`_route_align_kernel`): one launch instead of two.
-
-    Each program stores its partial logits, then draws a ticket from ``done_ptr`` (an atomic add, acquire-release
-    at GPU scope: Triton runs a scalar atomic in one thread between two CTA barriers, so every thread's stores are
-    released before it and every thread's later loads are ordered after it); the last ticket reads all partials
-    (``.cg``, from L2) and sets the counter back to 0 for the next launch on this stream.
-    """
-    _router_logits_tile(x_ptr, w_ptr, gate_w_ptr, logits_ptr, gate_ptr, M, H, E_GLOBAL, K_PER_SPLIT,
-                        tl.program_id(0), tl.program_id(1), tl.program_id(2), HAS_GATE, BLOCK_M, BLOCK_N, BLOCK_K,
-                        IEEE)
-    n_programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    ticket = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-    if ticket == n_programs - 1:
-        for r0 in range(0, M, ROWS):
-            _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, r0 + tl.arange(0, ROWS), M, E_GLOBAL, E_GLOBAL,
-                        N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED, True)
-        tl.debug_barrier()  # the ids just stored are read back by other threads of this program
-        _align_single(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
-                      group_count_ptr, total_blocks_ptr, M, E_GLOBAL, E_LOCAL, TOP_K, HAS_MAP, HAS_SHARED, N_PAD,
-                      G_PAD, ALIGN_M)
-        tl.atomic_xchg(done_ptr, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
 def _count_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, map_ptr, slot_group_ptr, counts_ptr, M, E_GLOBAL,
                   E_LOCAL, ROUTE: tl.constexpr, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                   E_PAD: tl.constexpr, ROWS: tl.constexpr, TILES: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -296,7 +254,6 @@ def _scatter_kernel(slot_group_ptr, counts_ptr, base_ptr, sorted_ptr, block_grou
 # launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
 _launch_align_single = DirectLauncher(_align_single_kernel)
 _launch_route_align = DirectLauncher(_route_align_kernel)
-_launch_router_route_align = DirectLauncher(_router_route_align_kernel)
 _launch_count = DirectLauncher(_count_kernel)
 _launch_scatter = DirectLauncher(_scatter_kernel)
 
@@ -410,34 +367,4 @@ def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize
         al.sorted_slots, al.block_group, al.group_start, al.group_count, al.total_blocks, M, n_experts, n_local,
         HAS_MAP=expert_map is not None, N_PAD=_pow2(M * top_k), G_PAD=_pow2(n_local), BLOCK_M=block_m, num_warps=4,
         **route)
-    return weights, ids, al
-
-
-def fused_router_applies(M: int, top_k: int) -> bool:
-    """Whether :func:`router_route_align` takes this batch: the sizes whose routing runs in one program anyway."""
-    return M <= FUSED_ROUTE_MAX_M and M * top_k <= SINGLE_CHUNK_MAX
-
-
-def router_route_align(x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None, top_k: int,
-                       renormalize: bool, *, n_local: int, block_m: int, expert_map: torch.Tensor | None,
-                       shared: bool) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
-    """Router GEMM, routing and alignment in one launch (decode sizes, :func:`fused_router_applies`); the same
-    results as :func:`kernels_triton.moe.routing.router_logits` then :func:`route_and_align`."""
-    M, H = x.shape
-    E = router_weight.shape[0]
-    slots = top_k + int(shared)
-    dev = x.device
-    grid, k_per_split, launch, logits, gate_part = router_buffers(x, router_weight, gate_weight)
-    weights = torch.empty(M, slots, dtype=torch.float32, device=dev)
-    ids = torch.empty(M, slots, dtype=torch.int32, device=dev)
-    al = _outputs(M * slots, n_local + int(shared), block_m, dev)
-    base = torch.empty(max(n_local, 1), dtype=torch.int32, device=dev)
-    route = route_launch_params(M, E, top_k, True)
-    _launch_router_route_align[grid](
-        x, router_weight, gate_weight if gate_weight is not None else router_weight, logits, gate_part,
-        done_counters(1, dev), weights, ids, expert_map if expert_map is not None else ids, al.slot_group, base,
-        al.sorted_slots, al.block_group, al.group_start, al.group_count, al.total_blocks, M, H, E, n_local,
-        k_per_split, IEEE=x.dtype == torch.float32, N_SPLITS=grid[2], RENORMALIZE=bool(renormalize),
-        HAS_GATE=gate_weight is not None, HAS_MAP=expert_map is not None, HAS_SHARED=bool(shared),
-        N_PAD=_pow2(M * top_k), G_PAD=_pow2(n_local), ALIGN_M=block_m, **route, **launch)
     return weights, ids, al

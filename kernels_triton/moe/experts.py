@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from kernels_triton._launch import DirectLauncher, done_counters, ensure_scratch_allocator
+from kernels_triton._launch import DirectLauncher, ensure_scratch_allocator
 from kernels_triton.moe.align import Alignment
 from kernels_triton.moe.config import GemmConfig
 from kernels_triton.moe.routing import cdiv, pow2
@@ -280,52 +280,10 @@ def _combine_kernel(y_ptr, slot_group_ptr, extra_ptr, out_ptr, H, SLOTS: tl.cons
     tl.store(out_ptr + token * H + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
-def _down_combine_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
-                         total_blocks_ptr, weights_ptr, y_ptr, slot_group_ptr, done_ptr, out_ptr, H, I, E_LOCAL, M,
-                         HAS_SHARED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr,
-                         SLOTS: tl.constexpr, M_PAD: tl.constexpr):
-    """Decode sizes: one aligned block times one column tile of the down GEMM (as :func:`_down_kernel`), and the
-    program that finishes a column tile last sums that tile of every token's slots into ``out`` (as
-    :func:`_combine_kernel`, same order, same bits): one launch instead of two.
-
-    Tickets per column tile come from ``done_ptr[tile]`` (an acquire-release atomic add: see
-    ``align._router_route_align_kernel``); the ``total_blocks`` real blocks each draw one, the last sets it back
-    to 0. The y rows are read ``.cg`` (from L2: other SMs wrote them in this launch).
-    """
-    pid = tl.program_id(0)
-    n_tiles = tl.cdiv(H, BLOCK_N)
-    block, tile_n = pid // n_tiles, pid % n_tiles
-    total = tl.load(total_blocks_ptr)
-    if block < total:
-        group, start, count, _ = _block_group(block, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M)
-        w_base = _expert_weights(w_ptr, shared_w_ptr, group, H * I, E_LOCAL, HAS_SHARED)
-        _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, block * BLOCK_M, start, count, tile_n, n_tiles, H,
-                    I, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, 1, False)
-        ticket = tl.atomic_add(done_ptr + tile_n, 1, sem="acq_rel", scope="gpu")
-        if ticket == total - 1:
-            tokens = tl.arange(0, M_PAD)
-            tok_ok = tokens < M
-            cols = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            col_ok = cols < H
-            acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-            for j in tl.static_range(SLOTS):
-                slot = tokens * SLOTS + j
-                kept = tl.load(slot_group_ptr + slot, mask=tok_ok, other=-1) >= 0
-                acc += tl.load(y_ptr + slot.to(tl.int64)[:, None] * H + cols[None, :],
-                               mask=kept[:, None] & col_ok[None, :], other=0.0, cache_modifier=".cg").to(tl.float32)
-            tl.store(out_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                     mask=tok_ok[:, None] & col_ok[None, :])
-            tl.atomic_xchg(done_ptr + tile_n, 0, sem="relaxed", scope="gpu")
-
-
 # launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
 _launch_gate_up = DirectLauncher(_gate_up_kernel)
 _launch_down = DirectLauncher(_down_kernel)
 _launch_combine = DirectLauncher(_combine_kernel)
-_launch_down_combine = DirectLauncher(_down_combine_kernel)
-COMBINE_FUSE_MAX_M = 16  # tokens up to which down_combine applies (the last program of a tile sums all of them)
 
 
 def sub_levels(block_m: int) -> int:
@@ -458,28 +416,4 @@ def combine(y: torch.Tensor, al: Alignment, M: int, slots: int, extra: torch.Ten
     _launch_combine[(M, cdiv(H, block_h))](
         y, al.slot_group, extra if extra is not None else y, out, H, SLOTS=slots, HAS_EXTRA=extra is not None,
         BLOCK_H=block_h, num_warps=4)
-    return out
-
-
-def down_combine_applies(M: int, cfg: GemmConfig, H: int, I: int) -> bool:
-    """Whether :func:`down_combine` takes this call: decode sizes (M <= COMBINE_FUSE_MAX_M) whose down GEMM runs
-    one column tile per program (16-row blocks)."""
-    return M <= COMBINE_FUSE_MAX_M and down_tiles_per_program(cfg, H, I) == 1
-
-
-def down_combine(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: Alignment,
-                 weights: torch.Tensor, cfg: GemmConfig) -> torch.Tensor:
-    """:func:`down` then :func:`combine` in one launch (decode sizes, :func:`down_combine_applies`); ``[M, H]`` in
-    h's dtype, the same bits as the two launches."""
-    H, I = w2.shape[1], w2.shape[2]
-    M, slots = weights.shape
-    y = torch.empty(weights.numel(), H, dtype=h.dtype, device=h.device)
-    out = torch.empty(M, H, dtype=h.dtype, device=h.device)
-    n_tiles = cdiv(H, cfg.BLOCK_N)
-    _launch_down_combine[(al.max_blocks * n_tiles,)](
-        h, w2, shared_w2 if shared_w2 is not None else w2, al.sorted_slots, al.block_group, al.group_start,
-        al.group_count, al.total_blocks, weights, y, al.slot_group, done_counters(n_tiles, h.device), out, H, I,
-        w2.shape[0], M, HAS_SHARED=shared_w2 is not None, BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N,
-        BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0, EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32,
-        SLOTS=slots, M_PAD=pow2(M, 2), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -13,8 +13,6 @@ matmuls and is added in the combine.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -22,10 +20,6 @@ from kernels_triton.moe import align as _align
 from kernels_triton.moe import config as _config
 from kernels_triton.moe import experts as _experts
 from kernels_triton.moe import routing as _routing
-
-# Decode sizes: router GEMM + routing + alignment in one launch (align.router_route_align) and the top-k sum done
-# by the down GEMM's last programs (experts.down(combine=True)). "0" in the environment: the separate launches.
-FUSE_SMALL = os.environ.get("QWEN35_MOE_FUSE_SMALL", "1") != "0"
 
 
 def moe_route(
@@ -42,8 +36,6 @@ def _run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     """gate_up -> down -> combine over aligned picks (the shared expert is the last pick when ``shared``)."""
     shared_w13, shared_w2 = shared if shared is not None else (None, None)
     h = _experts.gate_up(x, w13, shared_w13, al, weights.shape[1], cfgs[0])
-    if FUSE_SMALL and extra is None and _experts.down_combine_applies(x.shape[0], cfgs[1], w2.shape[1], w2.shape[2]):
-        return _experts.down_combine(h, w2, shared_w2, al, weights, cfgs[1])
     y = _experts.down(h, w2, shared_w2, al, weights, cfgs[1])
     return _experts.combine(y, al, x.shape[0], weights.shape[1], extra)
 
@@ -93,15 +85,10 @@ def moe_block(
     fused_shared = shared_w13 is not None and shared_w13.shape[0] == w13.shape[1]
     gate = shared_gate_weight if fused_shared else None
     cfgs = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
-    if FUSE_SMALL and _align.fused_router_applies(M, top_k):
-        weights, _, al = _align.router_route_align(x, router_weight, gate, top_k, renormalize, n_local=E,
-                                                   block_m=cfgs[0].BLOCK_M, expert_map=expert_map,
-                                                   shared=fused_shared)
-    else:
-        logits, n_splits = _routing.router_logits(x, router_weight, gate)
-        weights, _, al = _align.route_and_align(
-            logits, n_splits, top_k, renormalize, n_experts=router_weight.shape[0], n_local=E,
-            block_m=cfgs[0].BLOCK_M, expert_map=expert_map, gate=gate is not None, shared=fused_shared)
+    logits, n_splits = _routing.router_logits(x, router_weight, gate)
+    weights, _, al = _align.route_and_align(
+        logits, n_splits, top_k, renormalize, n_experts=router_weight.shape[0], n_local=E,
+        block_m=cfgs[0].BLOCK_M, expert_map=expert_map, gate=gate is not None, shared=fused_shared)
     extra = None
     if shared_w13 is not None and not fused_shared:
         extra = _torch_shared_expert(x, shared_w13, shared_w2, shared_gate_weight)

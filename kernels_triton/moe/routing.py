@@ -53,15 +53,17 @@ def _router_dots(x_ptr, w_ptr, gate_ptr, rows, cols, M, H, E, k_first, K_PER_SPL
 
 
 @triton.jit
-def _router_logits_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, K_PER_SPLIT, pid_n, pid_m, pid_s,
-                        HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        IEEE: tl.constexpr):
-    """out[s, m, n] = x[m] . W[n] and gate_out[s, m] = x[m] . gate over split s's slice of H, for the tile
-    (pid_n, pid_m, pid_s).
+def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, K_PER_SPLIT,
+                          HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+    """out[s, m, n] = x[m] . W[n] and gate_out[s, m] = x[m] . gate over split s's slice of H.
 
     The column-tile-0 programs also compute the gate logits, from the x tiles they load anyway (a
     branch outside the K loop: each variant of the loop stays branch-free for the pipeliner).
+    Column tiles are the fastest grid axis: the programs sharing a tile of x run together and read
+    it from L2 (x-major order re-read x from DRAM once per column tile: 4x at E = 512).
     """
+    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_first = pid_s * K_PER_SPLIT
@@ -74,17 +76,6 @@ def _router_logits_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, 
                               IEEE)
     out = out_ptr + pid_s * M * E + rows[:, None] * E + cols[None, :]
     tl.store(out, acc, mask=(rows < M)[:, None] & (cols < E)[None, :])
-
-
-@triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, K_PER_SPLIT,
-                          HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
-    """One tile of :func:`_router_logits_tile` per program. Column tiles are the fastest grid axis: the programs
-    sharing a tile of x run together and read it from L2 (x-major order re-read x from DRAM once per column
-    tile: 4x at E = 512)."""
-    _router_logits_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, K_PER_SPLIT, tl.program_id(0),
-                        tl.program_id(1), tl.program_id(2), HAS_GATE, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
 
 
 @triton.jit
@@ -120,14 +111,12 @@ def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENOR
 @triton.jit
 def _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS: tl.constexpr,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
-                HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr, CG: tl.constexpr = False):
+                HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Route the rows ``rows``: sum the split-K partials in order, pick top-k, store; append the shared slot.
 
     logits ``[N_SPLITS, M, E]``, gate logits ``[N_SPLITS, M]``; outputs ``[M, TOP_K + HAS_SHARED]``. The
     shared slot's id is SHARED_ID and its weight sigmoid(gate logit) (1 without a gate). N_SPLITS is a
     constexpr so the partial loads are unrolled and all in flight at once (a runtime loop waited on each).
-    CG: the partials were written by other programs of this launch (see ``align._router_route_align_kernel``):
-    they are read from L2 (``.cg``), past this SM's L1.
     """
     n_out = TOP_K + HAS_SHARED
     cols = tl.arange(0, E_PAD)
@@ -136,10 +125,7 @@ def _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_I
     mask = row_ok[:, None] & (cols < E)[None, :]
     logits = tl.zeros((rows.shape[0], E_PAD), dtype=tl.float32)
     for s in tl.static_range(N_SPLITS):
-        if CG:
-            logits += tl.load(ptrs + s * M * E, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-        else:
-            logits += tl.load(ptrs + s * M * E, mask=mask, other=0.0).to(tl.float32)
+        logits += tl.load(ptrs + s * M * E, mask=mask, other=0.0).to(tl.float32)
     weights, ids = _top_k_rows(logits, cols, E, TOP_K, K_PAD, RENORMALIZE)
     slot = tl.arange(0, K_PAD)
     out = rows[:, None] * n_out + slot[None, :]
@@ -150,10 +136,7 @@ def _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_I
         gate = tl.zeros((rows.shape[0],), dtype=tl.float32)
         if HAS_GATE:
             for s in tl.static_range(N_SPLITS):
-                if CG:
-                    gate += tl.load(gate_ptr + s * M + rows, mask=row_ok, other=0.0, cache_modifier=".cg")
-                else:
-                    gate += tl.load(gate_ptr + s * M + rows, mask=row_ok, other=0.0)
+                gate += tl.load(gate_ptr + s * M + rows, mask=row_ok, other=0.0)
             w_shared = tl.sigmoid(gate)
         else:
             w_shared = gate + 1.0
@@ -259,21 +242,6 @@ def router_launch(M: int, H: int, E: int) -> tuple[tuple[int, int, int], int, di
                                    num_stages=stages)
 
 
-def router_buffers(x: torch.Tensor, router_weight: torch.Tensor, gate_weight: torch.Tensor | None
-                   ) -> tuple[tuple[int, int, int], int, dict, torch.Tensor, torch.Tensor]:
-    """(grid, K per split, launch constexprs, partials ``[n_splits, M, E]``, gate partials ``[n_splits, M]``) of the
-    router GEMM: one allocation (see :func:`router_logits`); without a gate the gate partials alias the logits."""
-    M, H = x.shape
-    E = router_weight.shape[0]
-    grid, k_per_split, launch = router_launch(M, H, E)
-    n_splits = grid[2]
-    n_logits = n_splits * M * E
-    buffer = torch.empty(aligned16(n_logits) + (n_splits * M if gate_weight is not None else 0), dtype=torch.float32,
-                         device=x.device)
-    out = buffer[:n_logits].view(n_splits, M, E)
-    return grid, k_per_split, launch, out, gate_logits(out, n_splits) if gate_weight is not None else out
-
-
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
                   gate_weight: torch.Tensor | None) -> tuple[torch.Tensor, int]:
     """fp32 split-K partials of the router logits ``[n_splits, M, E]``; returns (partials, n_splits).
@@ -283,9 +251,15 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
     aligned when E % 4 == 0, so their loads vectorise) and the GEMM tiles only E columns.
     """
     M, H = x.shape
-    grid, k_per_split, launch, out, gate_out = router_buffers(x, router_weight, gate_weight)
+    E = router_weight.shape[0]
+    grid, k_per_split, launch = router_launch(M, H, E)
+    n_splits = grid[2]
+    n_logits = n_splits * M * E
+    buffer = torch.empty(aligned16(n_logits) + (n_splits * M if gate_weight is not None else 0), dtype=torch.float32,
+                         device=x.device)
+    out = buffer[:n_logits].view(n_splits, M, E)
+    gate_out = gate_logits(out, n_splits) if gate_weight is not None else out
     _launch_router_logits[grid](
-        x, router_weight, gate_weight if gate_weight is not None else router_weight, out, gate_out, M, H,
-        router_weight.shape[0], k_per_split, HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32,
-        **launch)
-    return out, grid[2]
+        x, router_weight, gate_weight if gate_weight is not None else router_weight, out, gate_out, M, H, E,
+        k_per_split, HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32, **launch)
+    return out, n_splits

@@ -166,38 +166,3 @@ def test_direct_launch_matches_the_binder_path(M, monkeypatch):
 def test_facade_picks_triton_on_the_gpu(fresh_probe):
     choice = fresh_probe.choose("moe_block", "cuda")
     assert choice.backend == "triton", choice.reason
-
-
-@pytest.mark.parametrize("shape", list(SHAPES))
-def test_fused_decode_launches_match_separate_ones(shape, monkeypatch):
-    """Decode sizes run router + routing + alignment in one launch and the top-k sum inside the down launch, each
-    finished by the launch's last program (ticket counters). Over many calls, eager and replayed from a CUDA graph,
-    they give the separate launches' bits, and leave every counter at 0."""
-    from kernels_triton import _launch, moe
-    from kernels_triton.moe import ops as tops
-
-    E, k, H, _ = SHAPES[shape]
-    w = _weights(shape, torch.bfloat16)
-    for M in (1, 2, 5, 16):
-        xs = [_x(M, H, torch.bfloat16, seed=100 + i) for i in range(40)]
-        monkeypatch.setattr(tops, "FUSE_SMALL", False)
-        want = [moe.moe_block(x, top_k=k, **w) for x in xs]
-        monkeypatch.setattr(tops, "FUSE_SMALL", True)
-        for x, expect in zip(xs, want, strict=True):
-            assert torch.equal(moe.moe_block(x, top_k=k, **w), expect), f"M={M}: fused launches differ"
-        static = xs[0].clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            moe.moe_block(static, top_k=k, **w)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = moe.moe_block(static, top_k=k, **w)
-        for x, expect in list(zip(xs, want, strict=True))[::4]:
-            static.copy_(x)
-            graph.replay()
-            torch.cuda.synchronize()
-            assert torch.equal(captured, expect), f"M={M}: graph replay differs"
-        del graph
-    assert not _launch.done_counters(1, torch.device("cuda")).any(), "a ticket counter was left non-zero"
