@@ -306,7 +306,21 @@ DECODE_VARIANTS_D = [{"BV": bv, "num_warps": w, **extra} for bv, w in ((16, 1), 
                      for extra in ({}, {"STREAM": True})]
 
 
+# Set e: the scan's V blocks at 32 (sequence, head) pairs, the heuristic's boundary (35B-A3B TP1: 32 value heads,
+# one sequence, the model benchmark's GDN shape), against many sequences and a long one.
+SWEEP_PREFILL_E = {
+    "35B-A3B-TP1 1x8192": ("35B-A3B-TP1", [8192]),
+    "35B-A3B-TP1 1x32768": ("35B-A3B-TP1", [32768]),
+    "35B-A3B-TP1 8x4096": ("35B-A3B-TP1", [4096] * 8),
+    "27B-TP1 1x8192": ("27B-TP1", [8192]),
+}
+SCAN_VARIANTS_E = [{"BV": bv, "num_warps": w, "num_stages": st} for bv, w, st in (
+    (64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (32, 2, 3), (16, 4, 3), (16, 2, 3), (64, 8, 3))]
+
+
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
+    if sweep_set == "e":
+        return [("scan", c) for c in SCAN_VARIANTS_E]
     if sweep_set == "d":
         return [("decode", c) for c in DECODE_VARIANTS_D]
     if sweep_set == "c":
@@ -415,6 +429,9 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     if args.sweep_set == "d":
         sweep_decode(rows, deadline, DECODE_SWEEP_D, DECODE_VARIANTS_D, save)
         return
+    if args.sweep_set == "e":
+        _sweep_prefill(rows, deadline, SWEEP_PREFILL_E, [("scan", c) for c in SCAN_VARIANTS_E], save)
+        return
 
     for label, (hname, lens) in SWEEP_PREFILL.items():
         H, HV = HEADS[hname]
@@ -440,6 +457,32 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
         del d
         torch.cuda.empty_cache()
     sweep_decode(rows, deadline, DECODE_SWEEP, DECODE_VARIANTS, save)
+
+
+def _sweep_prefill(rows: list[dict], deadline: float, shapes: dict, variants: list[tuple[str, dict]],
+                   save=lambda: None) -> None:
+    """GPU kernel time (torch.profiler) of each (phase, config) variant on each prefill shape."""
+    import kernels_triton as kt
+
+    for label, (hname, lens) in shapes.items():
+        H, HV = HEADS[hname]
+        d = _prefill_inputs(lens, H, HV)
+        meta = kt.prepare_gdn_metadata(d["cu"])
+        for phase, cfg in variants:
+            if time.time() > deadline:
+                print("sweep: deadline reached", flush=True)
+                return
+            try:
+                kernels = kernel_times_ms(_ours_prefill(d, meta, **{f"{phase}_config": cfg}), calls=3)
+                name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
+                rows.append({"sweep": phase, "shape": label, "config": cfg, "kernel_ms": round(
+                    sum(v for k, v in kernels.items() if k.startswith(name)), 4)})
+            except Exception as e:  # noqa: BLE001
+                rows.append({"sweep": phase, "shape": label, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
+            print(rows[-1], flush=True)
+            save()
+        del d
+        torch.cuda.empty_cache()
 
 
 def sweep_decode(rows: list[dict], deadline: float, shapes, variants: list[dict], save=lambda: None) -> None:  # noqa: ANN001
@@ -503,9 +546,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
-    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d"),
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e"),
                         help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
-                             "d: decode blocks with and without streaming cache hints")
+                             "d: decode blocks with and without streaming cache hints; e: scan V blocks at 35B")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")
