@@ -375,6 +375,24 @@ def test_scan_stages_fit_shared_memory(monkeypatch, smem, dtype, K, stages):
     assert cfg == {"BV": 64, "num_warps": 4, "num_stages": stages}
 
 
+@pytest.mark.parametrize("pairs,sms,bv", [(8, 132, 16), (12, 132, 16), (16, 132, 32), (31, 132, 32), (32, 132, 32),
+                                          (33, 132, 64), (48, 132, 64), (256, 132, 64), (32, 108, 64),
+                                          (24, 80, 64)])
+def test_scan_v_blocks_follow_the_sm_count(monkeypatch, pairs, sms, bv):
+    """(sequence, head) pairs -> V block of the scan: 16 below 16 pairs; above, 64-wide blocks once they make at
+    least half as many programs as there are SMs, else 32 (H200 set e: 32 pairs on 132 SMs take 32-wide blocks)."""
+    from kernels_triton.gdn import chunk
+
+    monkeypatch.setattr(chunk, "device_facts", lambda device: ("test-gpu", sms, (9, 0)))
+    monkeypatch.setattr(chunk, "_shared_memory_per_block", lambda device: 232448)
+    chunk._scan_config.cache_clear()
+    try:
+        cfg = chunk._scan_config(torch.device("cuda", 0), 1, pairs, 128, 128, 8192, torch.bfloat16)
+    finally:
+        chunk._scan_config.cache_clear()
+    assert cfg["BV"] == bv
+
+
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU
 
 _HOPPER_BUILD = r'''

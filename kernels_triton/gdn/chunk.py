@@ -520,6 +520,11 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
     2 for short ones. Round 2 (norms and decays precomputed by phase 1, tuning/results/gdn_sweep_r2*.json):
     3 stages won every pair measured (27B-TP1 1x32768 BV 64: 1.01 vs 1.27 ms; 397B-TP8 1x65536 BV 16:
     1.43 vs 1.93; 27B-TP1 8x4096 BV 64: 0.81 vs 1.02), as far as shared memory allows.
+    Set e (tuning/results/gdn_sweep_s6e_nvidia_h200.json): at exactly 32 pairs (35B-A3B, one sequence) 64-wide
+    blocks leave half the SMs idle (64 programs) and 32-wide ones win (1x8192 0.254 -> 0.212 ms, 1x32768 0.983 ->
+    0.819), while at 48 pairs (96 vs 192 programs) 64 still wins (27B-TP1 1x8192 0.259 vs 0.409 ms) and at 256
+    (35B 8x4096) too (0.54 vs 0.85). So from 16 pairs on: 64-wide blocks once they make at least half as many
+    programs as there are SMs, else 32.
     """
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
         return {"BV": _pow2(V), "num_warps": 4, "num_stages": 1}
@@ -529,7 +534,11 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
     if tuned:
         return tuned
     pairs = N * HV
-    BV = min(_pow2(V), 64 if pairs >= 32 else 32 if pairs >= 16 else 16)
+    if pairs >= 16:
+        BV = 64 if 2 * pairs * _cdiv(V, 64) >= device_facts(device)[1] else 32
+    else:
+        BV = 16
+    BV = min(_pow2(V), BV)
     # Shared memory of the pipelined loads (sm_90 builds, K = 128): bf16 at BV 64 takes 74 / 140 / 206 KB
     # with 1 / 2 / 3 stages; the fp32 workspace (fp16 and fp32 inputs) 82 / 197 / 329 KB at most. The
     # tiles grow with K beyond 128.
