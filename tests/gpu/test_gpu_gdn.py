@@ -102,6 +102,28 @@ def test_prefill_decay_extremes_initial_state(decay):
     assert_close(ht, rht, TOL[torch.float32], f"final state, {decay} decay")
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_prefill_one_sequence_of_32_value_heads(dtype):
+    """The 35B-A3B GDN shape (16 / 32 heads, one 8192-token sequence): 32 (sequence, head) pairs, where the scan
+    takes 32-wide V blocks on an H200-sized GPU (kernels_triton.gdn.chunk._scan_config); output and pool slot vs
+    the fp64 reference."""
+    lens, H, HV, K, V = [8192], 16, 32, 128, 128
+    d = _gdn_inputs(sum(lens), H, HV, K, V, dtype, seed=23)
+    cu = cu_from_lens(lens, DEV)
+    pool = _rand(torch.Generator(device=DEV).manual_seed(24), 3, HV, K, V, scale=0.1)
+    slots = torch.tensor([2], dtype=torch.int32, device=DEV)
+    has = torch.tensor([True], device=DEV)
+    ours = pool.clone()
+    o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=ours, state_slots=slots, has_initial_state=has,
+                                use_qk_l2norm=True)
+    ref_pool = pool.double()
+    ro, _ = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, state_pool=ref_pool, state_slots=slots,
+                                  has_initial_state=has, use_qk_l2norm=True)
+    assert_close(o, ro, TOL[dtype], f"output {dtype}")
+    assert_close(ours, ref_pool, TOL[dtype], f"pool {dtype}")
+    _check_untouched(ours, pool, slots)
+
+
 PREPARE_VARIANTS = {  # the tuning variants of the prepare kernel (see tuning/bench_gdn.py)
     "default": {},
     "substitution_uncapped": {"maxnreg": None},
