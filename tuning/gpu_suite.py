@@ -18,6 +18,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
 import time
@@ -49,6 +50,18 @@ def _command(part: str, out: Path, quick: bool, extra: list[str]) -> list[str] |
     return [py, "-m", module, "--out", str(out)] + (["--quick"] if quick else []) + extra
 
 
+def parse_part_args(items: list[str]) -> dict[str, list[str]]:
+    """``["PART=ARGS", ...]`` -> {part: argv}; ARGS are split as a shell would (``"tests=-k 'gdn or moe'"`` keeps
+    the expression whole; a plain ``str.split`` handed pytest ``or`` and ``moe`` as paths)."""
+    extra = {}
+    for item in items:
+        name, eq, rest = item.partition("=")
+        if name not in PARTS or not eq:
+            raise ValueError(f"--part-args {item!r}: expected PART=ARGS with PART in {', '.join(PARTS)}")
+        extra[name] = shlex.split(rest)
+    return extra
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="gpu_suite", description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="directory for JSON results and logs")
@@ -57,14 +70,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--part-timeout", type=int, default=540, help="seconds per part before it is killed")
     ap.add_argument("--budget", type=int, default=None, help="seconds for the whole suite (later parts get the rest)")
     ap.add_argument("--part-args", nargs="*", default=[], metavar="PART=ARGS",
-                    help='extra arguments for one part, e.g. "gdn=--quick --no-fla" "tests=-n 4"')
+                    help='extra arguments for one part, e.g. "gdn=--quick --no-fla" "tests=-n 4 -k \'gdn or moe\'"')
     args = ap.parse_args(argv)
-    extra = {}
-    for item in args.part_args:
-        name, _, rest = item.partition("=")
-        if name not in PARTS or not _:
-            ap.error(f"--part-args {item!r}: expected PART=ARGS with PART in {', '.join(PARTS)}")
-        extra[name] = rest.split()
+    try:
+        extra = parse_part_args(args.part_args)
+    except ValueError as e:
+        ap.error(str(e))
     start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
