@@ -317,7 +317,8 @@ SWEEP_PREFILL_E = {
 }
 # (BV, warps, stages). Session 6 ran the first eight (the 2-warp ones spill); the single-stage ones are for the next
 # run: with less shared memory per program, two or three programs share an SM, so one's loads can overlap
-# another's dots instead of the pipeliner's (48 pairs x 32-wide blocks = 192 programs lost at 3 stages, 1 per SM).
+# another's dots instead of the pipeliner's (48 pairs x 32-wide blocks = 192 programs lost at 3 stages: at
+# ~60 KB of tiles per stage, probably one program per SM, i.e. two waves).
 SCAN_VARIANTS_E = [{"BV": bv, "num_warps": w, "num_stages": st} for bv, w, st in (
     (64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (32, 2, 3), (16, 4, 3), (16, 2, 3), (64, 8, 3),
     (64, 4, 1), (32, 4, 1), (16, 4, 1), (16, 4, 2))]
