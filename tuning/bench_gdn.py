@@ -396,29 +396,15 @@ def sweep_b(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     accuracy also on the hard keys."""
     third = args.sweep_set == "c"
     prepare_variants = PREPARE_VARIANTS_C if third else PREPARE_VARIANTS_B
-    import kernels_triton as kt
-
     shapes = {"27B-TP1 1x32768": ("27B-TP1", [32768]), "27B-TP4 8x4096": ("27B-TP4", [4096] * 8),
               "27B-TP1 8x4096": ("27B-TP1", [4096] * 8)}
-    for label, (hname, lens) in shapes.items():
-        H, HV = HEADS[hname]
-        d = _prefill_inputs(lens, H, HV)
-        meta = kt.prepare_gdn_metadata(d["cu"])
+    for label, shape in shapes.items():
         variants = [("prepare", c) for c in prepare_variants] if label != "27B-TP1 8x4096" else []
         if label != "27B-TP1 1x32768" and not third:
             variants += [("scan", c) for c in SCAN_VARIANTS if c["BV"] >= 32]
-        for phase, cfg in variants:
-            if time.time() > deadline:
-                print("sweep: deadline reached", flush=True)
-                return
-            fn = _ours_prefill(d, meta, **{f"{phase}_config": cfg})
-            kernels = kernel_times_ms(fn, calls=3)
-            name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
-            rows.append({"sweep": phase, "shape": label, "config": cfg,
-                         "kernel_ms": round(sum(v for k, v in kernels.items() if k.startswith(name)), 4)})
-            print(rows[-1], flush=True)
-            save()
-        del d
+        _sweep_prefill(rows, deadline, {label: shape}, variants, save)
+        if time.time() > deadline:
+            return
     prepare_variant_errors(rows, save, prepare_variants)
     if third:
         prepare_variant_errors(rows, save, prepare_variants, hard=True)
@@ -427,8 +413,6 @@ def sweep_b(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
 def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     """GPU kernel time (torch.profiler) of every prepare and scan variant on the sweep shapes, and decode
     variants through CUDA graphs."""
-    import kernels_triton as kt
-
     if args.sweep_set in ("b", "c"):
         sweep_b(args, rows, deadline, save)
         return
@@ -439,29 +423,13 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
         _sweep_prefill(rows, deadline, SWEEP_PREFILL_E, [("scan", c) for c in SCAN_VARIANTS_E], save)
         return
 
-    for label, (hname, lens) in SWEEP_PREFILL.items():
-        H, HV = HEADS[hname]
-        d = _prefill_inputs(lens, H, HV)
-        meta = kt.prepare_gdn_metadata(d["cu"])
+    for label, shape in SWEEP_PREFILL.items():
         variants = [("prepare", c) for c in PREPARE_VARIANTS]
         if label in ("27B-TP1 1x32768", "397B-TP8 1x65536"):
             variants += [("scan", c) for c in SCAN_VARIANTS]
-        for phase, cfg in variants:
-            if time.time() > deadline:
-                print("sweep: deadline reached", flush=True)
-                return
-            try:
-                fn = _ours_prefill(d, meta, **{f"{phase}_config": cfg})
-                kernels = kernel_times_ms(fn, calls=3)
-                name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
-                ms = sum(v for k, v in kernels.items() if k.startswith(name))
-                rows.append({"sweep": phase, "shape": label, "config": cfg, "kernel_ms": round(ms, 4)})
-            except Exception as e:  # noqa: BLE001
-                rows.append({"sweep": phase, "shape": label, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
-            print(rows[-1], flush=True)
-            save()
-        del d
-        torch.cuda.empty_cache()
+        _sweep_prefill(rows, deadline, {label: shape}, variants, save)
+        if time.time() > deadline:
+            return
     sweep_decode(rows, deadline, DECODE_SWEEP, DECODE_VARIANTS, save)
 
 

@@ -213,49 +213,59 @@ def down_flat_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
     return rows
 
 
+def _sweep_points(shapes: list[str], ms: list[int]):  # noqa: ANN202
+    """(name, (E, k, H, I), weights, M, x, router partials, n_splits) for every shape and token count of a GEMM sweep,
+    the router run with the shared expert's gate as in the model; the device cache is emptied between shapes."""
+    from kernels_triton.moe import routing
+
+    for name in shapes:
+        E, k, H, I = SHAPES[name]
+        w = _weights(E, H, I)
+        for M in ms:
+            x = _x(M, H)
+            logits, n_splits = routing.router_logits(x, w["router_weight"], w["shared"][2])
+            yield name, (E, k, H, I), w, M, x, logits, n_splits
+        del w
+        torch.cuda.empty_cache()
+
+
 def tma_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
     """gate_up and down alone (graph replay, shared expert fused as in the model) with their weight tiles loaded by
     pointers (as before) and through tensor descriptors (TMA, ``experts.gate_up(tma=True)``), at the configured tile
     and with one stage more; rel = the TMA output against the pointer path's."""
-    from kernels_triton.moe import align, config, experts, routing
+    from kernels_triton.moe import align, config, experts
 
     rows = []
-    for name in shapes:
-        E, k, H, I = SHAPES[name]
-        w = _weights(E, H, I)
-        sw13, sw2, gate = w["shared"]
-        for M in ms:
-            x = _x(M, H)
-            up_cfg, down_cfg = config.configs(M, k, E, H, I, x.dtype, x.device)
-            logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
-            weights, _, al = align.route_and_align(logits, n_splits, k, True, n_experts=E, n_local=E,
-                                                   block_m=up_cfg.BLOCK_M, expert_map=None, gate=True, shared=True)
-            starts, counts = al.group_start.tolist(), al.group_count.tolist()
-            written = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts, strict=True)]).to(x.device)
-            h = experts.gate_up(x, w["w13"], sw13, al, k + 1, up_cfg, tma=False)
-            y = experts.down(h, w["w2"], sw2, al, weights, down_cfg, tma=False)
-            flops = 2 * M * (k + 1) * H * I
-            for which, base, fn, want in (
-                    ("gate_up", up_cfg, functools.partial(experts.gate_up, x, w["w13"], sw13, al, k + 1), h),
-                    ("down", down_cfg, functools.partial(experts.down, h, w["w2"], sw2, al, weights), y)):
-                for stages in (base.num_stages, base.num_stages + 1):
-                    cfg = config.GemmConfig(base.BLOCK_M, base.BLOCK_N, base.BLOCK_K, base.num_warps, stages)
-                    for tma in (False, True) if stages == base.num_stages else (True,):
-                        call = functools.partial(fn, cfg, tma=tma)
-                        try:
-                            got = call()
-                            same = got[written] if which == "gate_up" else got
-                            ref = want[written] if which == "gate_up" else want
-                            ms_ = _gpu_ms(call, M)
-                            r = dict(sweep="tma", which=which, shape=f"{name} M={M}", config=cfg.as_dict(), tma=tma,
-                                     us=round(ms_ * 1e3, 1),
-                                     TFLOPs=round((2 if which == "gate_up" else 1) * flops / ms_ / 1e9, 1),
-                                     rel_vs_pointer=round(_rel(same, ref), 6))
-                        except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record and go on
-                            r = dict(sweep="tma", which=which, shape=f"{name} M={M}", config=cfg.as_dict(), tma=tma,
-                                     error=f"{type(e).__name__}: {str(e)[:200]}")
-                        _record(rows, r, out, "moe_tma")
-        torch.cuda.empty_cache()
+    for name, (E, k, H, I), w, M, x, logits, n_splits in _sweep_points(shapes, ms):
+        sw13, sw2, _ = w["shared"]
+        up_cfg, down_cfg = config.configs(M, k, E, H, I, x.dtype, x.device)
+        weights, _, al = align.route_and_align(logits, n_splits, k, True, n_experts=E, n_local=E,
+                                               block_m=up_cfg.BLOCK_M, expert_map=None, gate=True, shared=True)
+        starts, counts = al.group_start.tolist(), al.group_count.tolist()
+        written = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts, strict=True)]).to(x.device)
+        h = experts.gate_up(x, w["w13"], sw13, al, k + 1, up_cfg, tma=False)
+        y = experts.down(h, w["w2"], sw2, al, weights, down_cfg, tma=False)
+        flops = 2 * M * (k + 1) * H * I
+        for which, base, fn, want in (
+                ("gate_up", up_cfg, functools.partial(experts.gate_up, x, w["w13"], sw13, al, k + 1), h),
+                ("down", down_cfg, functools.partial(experts.down, h, w["w2"], sw2, al, weights), y)):
+            for stages in (base.num_stages, base.num_stages + 1):
+                cfg = config.GemmConfig(base.BLOCK_M, base.BLOCK_N, base.BLOCK_K, base.num_warps, stages)
+                for tma in (False, True) if stages == base.num_stages else (True,):
+                    call = functools.partial(fn, cfg, tma=tma)
+                    try:
+                        got = call()
+                        same = got[written] if which == "gate_up" else got
+                        ref = want[written] if which == "gate_up" else want
+                        ms_ = _gpu_ms(call, M)
+                        r = dict(sweep="tma", which=which, shape=f"{name} M={M}", config=cfg.as_dict(), tma=tma,
+                                 us=round(ms_ * 1e3, 1),
+                                 TFLOPs=round((2 if which == "gate_up" else 1) * flops / ms_ / 1e9, 1),
+                                 rel_vs_pointer=round(_rel(same, ref), 6))
+                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record and go on
+                        r = dict(sweep="tma", which=which, shape=f"{name} M={M}", config=cfg.as_dict(), tma=tma,
+                                 error=f"{type(e).__name__}: {str(e)[:200]}")
+                    _record(rows, r, out, "moe_tma")
     return rows
 
 
@@ -268,40 +278,34 @@ SUB_SWEEP_CONFIGS = {  # (gate_up, down) as (BLOCK_M, BLOCK_N, BLOCK_K, warps, s
 def sub_tiles_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
     """gate_up and down (graph replay, shared expert fused as in the model) with and without the shorter tiles for
     a group's short last block (``experts.sub_levels``), at 64- and 128-row blocks; with the padding they face."""
-    from kernels_triton.moe import align, config, experts, routing
+    from kernels_triton.moe import align, config, experts
 
     rows = []
-    for name in shapes:
-        E, k, H, I = SHAPES[name]
-        w = _weights(E, H, I)
-        sw13, sw2, gate = w["shared"]
-        for M in ms:
-            x = _x(M, H)
-            logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
-            for bm, (up_t, down_t) in SUB_SWEEP_CONFIGS.items():
-                up_cfg, down_cfg = config.GemmConfig(*up_t), config.GemmConfig(*down_t)
-                weights, _, al = align.route_and_align(logits, n_splits, k, True, n_experts=E, n_local=E, block_m=bm,
-                                                       expert_map=None, gate=True, shared=True)
-                blocks = int(al.total_blocks.item())
-                full = (al.group_count.long() // bm).sum().item()
-                h = experts.gate_up(x, w["w13"], sw13, al, k + 1, up_cfg, sub=0)
-                want = experts.down(h, w["w2"], sw2, al, weights, down_cfg, sub=0)
-                for sub in sorted({0, experts.sub_levels(bm)}):
-                    up = functools.partial(experts.gate_up, x, w["w13"], sw13, al, k + 1, up_cfg, sub=sub)
-                    dn = functools.partial(experts.down, h, w["w2"], sw2, al, weights, down_cfg, sub=sub)
-                    try:
-                        got = experts.down(up(), w["w2"], sw2, al, weights, down_cfg, sub=sub)
-                        up_ms, down_ms = _gpu_ms(up, M), _gpu_ms(dn, M)
-                        r = dict(sweep="sub_tiles", shape=f"{name} M={M}", block_m=bm, sub=sub, gate_up_us=round(
-                            up_ms * 1e3, 1), down_us=round(down_ms * 1e3, 1), both_us=round((up_ms + down_ms) * 1e3, 1),
-                            blocks=blocks, full_blocks=full, real_rows=M * (k + 1),
-                            padded_pct=round(100 * (1 - M * (k + 1) / (blocks * bm)), 1),
-                            rel_vs_sub0=round(_rel(got, want), 6))
-                    except Exception as e:  # noqa: BLE001 - record and go on
-                        r = dict(sweep="sub_tiles", shape=f"{name} M={M}", block_m=bm, sub=sub,
-                                 error=f"{type(e).__name__}: {str(e)[:200]}")
-                    _record(rows, r, out, "moe_sub_tiles")
-        torch.cuda.empty_cache()
+    for name, (E, k, _, _), w, M, x, logits, n_splits in _sweep_points(shapes, ms):
+        sw13, sw2, _ = w["shared"]
+        for bm, (up_t, down_t) in SUB_SWEEP_CONFIGS.items():
+            up_cfg, down_cfg = config.GemmConfig(*up_t), config.GemmConfig(*down_t)
+            weights, _, al = align.route_and_align(logits, n_splits, k, True, n_experts=E, n_local=E, block_m=bm,
+                                                   expert_map=None, gate=True, shared=True)
+            blocks = int(al.total_blocks.item())
+            full = (al.group_count.long() // bm).sum().item()
+            h = experts.gate_up(x, w["w13"], sw13, al, k + 1, up_cfg, sub=0)
+            want = experts.down(h, w["w2"], sw2, al, weights, down_cfg, sub=0)
+            for sub in sorted({0, experts.sub_levels(bm)}):
+                up = functools.partial(experts.gate_up, x, w["w13"], sw13, al, k + 1, up_cfg, sub=sub)
+                dn = functools.partial(experts.down, h, w["w2"], sw2, al, weights, down_cfg, sub=sub)
+                try:
+                    got = experts.down(up(), w["w2"], sw2, al, weights, down_cfg, sub=sub)
+                    up_ms, down_ms = _gpu_ms(up, M), _gpu_ms(dn, M)
+                    r = dict(sweep="sub_tiles", shape=f"{name} M={M}", block_m=bm, sub=sub, gate_up_us=round(
+                        up_ms * 1e3, 1), down_us=round(down_ms * 1e3, 1), both_us=round((up_ms + down_ms) * 1e3, 1),
+                        blocks=blocks, full_blocks=full, real_rows=M * (k + 1),
+                        padded_pct=round(100 * (1 - M * (k + 1) / (blocks * bm)), 1),
+                        rel_vs_sub0=round(_rel(got, want), 6))
+                except Exception as e:  # noqa: BLE001 - record and go on
+                    r = dict(sweep="sub_tiles", shape=f"{name} M={M}", block_m=bm, sub=sub,
+                             error=f"{type(e).__name__}: {str(e)[:200]}")
+                _record(rows, r, out, "moe_sub_tiles")
     return rows
 
 
