@@ -393,6 +393,46 @@ def test_scan_v_blocks_follow_the_sm_count(monkeypatch, pairs, sms, bv):
     assert cfg["BV"] == bv
 
 
+@pytest.mark.parametrize("smem", [101376, 166912, 232448])
+@pytest.mark.parametrize("pairs", [1, 8, 32, 48, 256])
+@pytest.mark.parametrize("V", [32, 128])
+def test_scan_heuristic_avoids_the_miscompiled_configs(monkeypatch, smem, pairs, V):
+    """bf16 scans in one pipeline stage with V blocks under 64 are built wrong by Triton 3.6 on an H200 (wrong
+    output at BV 32, an illegal shared-memory address at BV 16; session 7): no device size makes the heuristic
+    pick one. Small-shared-memory GPUs (one stage) take 64-wide blocks instead."""
+    from kernels_triton.gdn import chunk
+
+    monkeypatch.setattr(chunk, "device_facts", lambda device: ("test-gpu", 132, (9, 0)))
+    monkeypatch.setattr(chunk, "_shared_memory_per_block", lambda device: smem)
+    chunk._scan_config.cache_clear()
+    try:
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            cfg = chunk._scan_config(torch.device("cuda", 0), 1, pairs, 128, V, 8192, dtype)
+            assert not chunk._miscompiled_scan(dtype, cfg["BV"], cfg["num_stages"]), (dtype, cfg)
+            if dtype == torch.bfloat16 and smem < 145_000 and V >= 64:
+                assert cfg == {"BV": 64, "num_warps": 4, "num_stages": 1}
+    finally:
+        chunk._scan_config.cache_clear()
+
+
+def test_launch_configs_triton_builds_wrong_are_refused():
+    """A caller's scan_config in the miscompiled class, and prepare stages other than 1 (two stages gave wrong
+    output on an H200), raise before anything is launched."""
+    from kernels_triton.gdn import chunk
+
+    plan = chunk._plan(torch.device("cpu"), torch.bfloat16, 1, 4, 128, 128, 1024)
+    for bv in (16, 32):
+        with pytest.raises(ValueError, match="num_stages >= 2 or BV >= 64"):
+            plan._replace_configs(torch.device("cuda"), torch.bfloat16, None, {"BV": bv, "num_warps": 4,
+                                                                               "num_stages": 1})
+    ok = plan._replace_configs(torch.device("cuda"), torch.bfloat16, None, {"BV": 64, "num_warps": 4, "num_stages": 1})
+    assert ok.scan_consts[3] == 64
+    plan._replace_configs(torch.device("cuda"), torch.float16, None, {"BV": 16, "num_warps": 4, "num_stages": 1})
+    d = _inputs([20], 1, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="num_stages=2"):
+        kt.gdn_chunk_prefill(**d, prepare_config={"num_warps": 4, "num_stages": 2})
+
+
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU
 
 _HOPPER_BUILD = r'''

@@ -315,16 +315,34 @@ SWEEP_PREFILL_E = {
     "27B-TP1 1x8192": ("27B-TP1", [8192]),
     "27B-TP1 1x32768": ("27B-TP1", [32768]),
 }
-# (BV, warps, stages). Session 6 ran the first eight (the 2-warp ones spill); the single-stage ones are for the next
-# run: with less shared memory per program, two or three programs share an SM, so one's loads can overlap
-# another's dots instead of the pipeliner's (48 pairs x 32-wide blocks = 192 programs lost at 3 stages: at
-# ~60 KB of tiles per stage, probably one program per SM, i.e. two waves).
+# (BV, warps, stages). Session 6 ran the first eight (the 2-warp ones spill); session 7 the rest, single-stage
+# ones to see whether two or three programs sharing an SM overlap one's loads with another's dots (they lost:
+# 35B 1x8192 0.44-0.49 ms against 0.22). Session 7 also ran BV 32 and 16 in one stage, which Triton builds wrong
+# for bf16 (see chunk._miscompiled_scan; the op now refuses them).
 SCAN_VARIANTS_E = [{"BV": bv, "num_warps": w, "num_stages": st} for bv, w, st in (
     (64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (32, 2, 3), (16, 4, 3), (16, 2, 3), (64, 8, 3),
-    (64, 4, 1), (32, 4, 1), (16, 4, 1), (16, 4, 2))]
+    (64, 4, 1), (16, 4, 2))]
+
+
+# Set f: where the prepare kernel's time goes. STOP=1-4 end each program after a phase (raw K K^T / Q K^T and
+# gating; scores and A; the inverse; W), so differences of these times split the kernel by phase at the
+# occupancy it runs at (168 registers, three programs per SM, in every truncation); then variants of the
+# default (4-row blocks): bf16 merges, 8 warps, other register caps. (Session 7 also ran pipelined q/k loads,
+# num_stages 2, which gave wrong output: the op now refuses prepare stages other than 1.)
+SWEEP_PREFILL_F = {
+    "27B-TP1 8x4096": ("27B-TP1", [4096] * 8),
+    "35B-A3B-TP1 8x4096": ("35B-A3B-TP1", [4096] * 8),
+    "27B-TP4 1x32768": ("27B-TP4", [32768]),
+}
+PREPARE_VARIANTS_F = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra} for extra in (
+    {"STOP": 1}, {"STOP": 2}, {"STOP": 3}, {"STOP": 4}, {}, {"LOWP_MERGE": True}, {"maxnreg": 200},
+    {"maxnreg": 152})] + [{"num_warps": 8, "num_stages": 1, "maxnreg": 128},
+                                             {"num_warps": 8, "num_stages": 1}]
 
 
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
+    if sweep_set == "f":
+        return [("prepare", c) for c in PREPARE_VARIANTS_F]
     if sweep_set == "e":
         return [("scan", c) for c in SCAN_VARIANTS_E]
     if sweep_set == "d":
@@ -421,6 +439,13 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
         return
     if args.sweep_set == "e":
         _sweep_prefill(rows, deadline, SWEEP_PREFILL_E, [("scan", c) for c in SCAN_VARIANTS_E], save)
+        return
+    if args.sweep_set == "f":
+        variants = PREPARE_VARIANTS_F
+        _sweep_prefill(rows, deadline, SWEEP_PREFILL_F, [("prepare", c) for c in variants], save)
+        accuracy = [c for c in variants if "STOP" not in c and c.get("maxnreg") == 168]
+        prepare_variant_errors(rows, save, accuracy)
+        prepare_variant_errors(rows, save, accuracy, hard=True)
         return
 
     for label, shape in SWEEP_PREFILL.items():
@@ -520,9 +545,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
-    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e"),
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f"),
                         help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
-                             "d: decode blocks with and without streaming cache hints; e: scan V blocks at 35B")
+                             "d: decode blocks with and without streaming cache hints; e: scan V blocks at 35B; "
+                             "f: prepare time by phase (truncations) and variants of its default")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")

@@ -311,8 +311,11 @@ def _chunk_prepare_kernel(
     BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
     EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
-    DIAG_ROWS: tl.constexpr = 16,
+    DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0,
 ):
+    # STOP (timing only, never a default): 1-4 end the program after phase 1-4 (raw products and gating; scores and
+    # A; the inverse; W), storing that phase's result where U / Aqk would go so the compiler keeps the work; the
+    # benchmark times the truncations to split the kernel's time by phase (bench_gdn --sweep-set f).
     # Value heads vary fastest: the HV / H programs of one key head and chunk run side by side and
     # share their q / k rows through L2.
     pid = tl.program_id(0)
@@ -334,6 +337,7 @@ def _chunk_prepare_kernel(
         head_row = hv.to(tl.int64) * T + start  # this chunk's first row in the head-major workspace
         q_base = q_ptr + (start.to(tl.int64) * H + h) * K
         k_base = k_ptr + (start.to(tl.int64) * H + h) * K
+        v_base = v_ptr + (start.to(tl.int64) * HV + hv) * V
 
         # Raw K K^T, Q K^T and row sums of squares, K in column blocks: a small live set.
         kk = tl.zeros((C, C), dtype=tl.float32)
@@ -360,6 +364,9 @@ def _chunk_prepare_kernel(
         g, beta = _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, gate_stride,
                           RAW_GATING)
         g = tl.cumsum(g, axis=0)  # chunk-local cumulative log-decay
+        if STOP == 1:
+            _store_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C, kk + qk * (rq * g)[:, None] + (rk * beta)[None, :])
+            return
         # Row scales for the scan (it then feeds q and k to its dots untouched): g, |q|^-1 scale e^g, |k|^-1.
         tl.store(gcum_ptr + head_row + rows, g, mask=tmask)
         plane = HV.to(tl.int64) * T  # the three fp32 row-scale planes of gcum, each [HV, T]
@@ -371,16 +378,23 @@ def _chunk_prepare_kernel(
         gamma = tl.exp(tl.where(i >= j, g[:, None] - g[None, :], float("-inf")))  # exp(g_i - g_j), i >= j
         _store_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C, qk * (rq[:, None] * rk[None, :]) * gamma)
         A = tl.where(i > j, kk * ((beta * rk)[:, None] * rk[None, :]) * gamma, 0.0)
+        if STOP == 2:
+            _store_tile(u_ptr + head_row * V, V, tmask, 0, V, C, A)
+            return
         Tinv = _unit_lower_inverse(A, C, DOT_PREC, DIAG_BY_PRODUCT, EXACT_PREC,
                                    ws_dtype if LOWP_MERGE else tl.float32, DIAG_ROWS)
+        if STOP == 3:
+            _store_tile(u_ptr + head_row * V, V, tmask, 0, V, C, Tinv)
+            return
 
         # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V, in column blocks (k, v re-read from L1/L2).
         tw = (Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype)
+        tu = (Tinv * beta[None, :]).to(ws_dtype)
         for c0 in tl.range(0, K, BKC):
             k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
             _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tw, k, input_precision=DOT_PREC))
-        tu = (Tinv * beta[None, :]).to(ws_dtype)
-        v_base = v_ptr + (start.to(tl.int64) * HV + hv) * V
+        if STOP == 4:
+            return
         for c0 in tl.range(0, V, BVC):
             v = _load_tile(v_base, HV * V, tmask, c0, V, BVC).to(ws_dtype)
             _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(tu, v, input_precision=DOT_PREC))
@@ -532,7 +546,7 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
                            f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}", tokens=per_seq,
                            fields=("BV", "num_warps", "num_stages"))
     if tuned:
-        return tuned
+        return _avoid_miscompiled_scan(dict(tuned), dtype, V)
     pairs = N * HV
     if pairs >= 16:
         BV = 64 if 2 * pairs * _cdiv(V, 64) >= device_facts(device)[1] else 32
@@ -547,7 +561,26 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
         stages = 3 if smem >= 210_000 else 2 if smem >= 145_000 else 1
     else:
         stages = 2 if smem >= 200_000 else 1
-    return {"BV": BV, "num_warps": 4, "num_stages": stages}
+    return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages}, dtype, V)
+
+
+def _miscompiled_scan(dtype: torch.dtype, BV: int, stages: int) -> bool:
+    """Whether Triton 3.6 builds a wrong scan for this config on a GPU: with the bf16 workspace, one pipeline stage
+    and V blocks narrower than 64 (tiles of fewer than 128 bytes per row), the H200 gave wrong output (BV 32:
+    rel. error 1.2) or an out-of-range shared-memory address (BV 16) in the ``Aqk V'`` dot; two or three stages,
+    BV 64, and the fp32 workspace (fp16, fp32 inputs) at every BV were right (tuning/notes_gdn.md, session 7)."""
+    return dtype == torch.bfloat16 and stages < 2 and BV < 64
+
+
+def _avoid_miscompiled_scan(cfg: dict, dtype: torch.dtype, V: int) -> dict:
+    """A chosen config moved off :func:`_miscompiled_scan`: 64-wide blocks where V has them, else two stages (a
+    device without the shared memory for them then fails to launch, loudly, instead of computing garbage)."""
+    if _miscompiled_scan(dtype, cfg["BV"], cfg["num_stages"]):
+        if V >= 64:
+            cfg["BV"] = 64
+        else:
+            cfg["num_stages"] = 2
+    return cfg
 
 
 @functools.cache
@@ -556,7 +589,7 @@ def _shared_memory_per_block(device: torch.device) -> int:
 
 
 # prepare_config keys that are kernel flags (the rest are launch options)
-PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS")
+PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS", "STOP")
 
 
 @functools.lru_cache(maxsize=64)
@@ -603,7 +636,10 @@ def _prepare_flags(dot_prec: str, flags: dict) -> tuple:
     if flags["DIAG_ROWS"] not in (4, 8, 16) or (flags["DIAG_BY_PRODUCT"] and flags["DIAG_ROWS"] != 16):
         raise ValueError(f"prepare_config DIAG_ROWS={flags['DIAG_ROWS']}: accepted 4, 8 or 16 (16 with "
                          "DIAG_BY_PRODUCT)")
-    return dot_prec, flags["EXACT_PREC"], flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"], flags["DIAG_ROWS"]
+    if flags.get("STOP", 0) not in (0, 1, 2, 3, 4):
+        raise ValueError(f"prepare_config STOP={flags['STOP']}: accepted 0 (the whole kernel) to 4 (timing only)")
+    return (dot_prec, flags["EXACT_PREC"], flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"], flags["DIAG_ROWS"],
+            flags.get("STOP", 0))
 
 
 class _Plan(NamedTuple):
@@ -614,7 +650,7 @@ class _Plan(NamedTuple):
     ws_row: int  # workspace elements per (value head, token), see _workspace
     dot_prec: str
     prepare_consts: tuple  # K, V, BKC, BVC, C
-    prepare_flags: tuple  # DOT_PREC, EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS (see _prepare_flags)
+    prepare_flags: tuple  # the prepare kernel's trailing constexprs (see _prepare_flags)
     prepare_options: dict
     scan_consts: tuple  # K, V, BK, BV, C
     scan_options: dict
@@ -628,9 +664,15 @@ class _Plan(NamedTuple):
         """This plan with the launch configs a caller passed in (the benchmark's variants)."""
         plan = self
         if prepare_config is not None:
+            if prepare_config.get("num_stages", 1) != 1:
+                raise ValueError(f"prepare_config num_stages={prepare_config['num_stages']}: accepted 1 (its loops "
+                                 "are not pipelined; Triton 3.6 gave wrong output with 2 stages on an H200)")
             flags, options = _split_prepare_config(device, dtype, prepare_config)
             plan = plan._replace(prepare_options=options, prepare_flags=_prepare_flags(plan.dot_prec, flags))
         if scan_config is not None:
+            if device.type == "cuda" and _miscompiled_scan(dtype, scan_config["BV"], scan_config.get("num_stages", 3)):
+                raise ValueError(f"scan_config {scan_config}: bf16 scans need num_stages >= 2 or BV >= 64 on a GPU "
+                                 "(Triton 3.6 builds a wrong kernel for narrower blocks in one stage)")
             K, V, BK, _, C = plan.scan_consts
             plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C),
                                  scan_options={k: v for k, v in scan_config.items() if k != "BV"})
