@@ -431,6 +431,17 @@ def test_launch_configs_triton_builds_wrong_are_refused():
     d = _inputs([20], 1, 1, 16, 16, torch.float32)
     with pytest.raises(ValueError, match="num_stages=2"):
         kt.gdn_chunk_prefill(**d, prepare_config={"num_warps": 4, "num_stages": 2})
+    with pytest.raises(ValueError, match="BKC=8"):
+        kt.gdn_chunk_prefill(**d, prepare_config={"num_warps": 4, "num_stages": 1, "BKC": 8})
+
+
+def test_prepare_column_blocks_give_the_same_result():
+    """The prepare kernel's q/k/v column blocks (BKC, BVC: a benchmark knob) change only the order of sums."""
+    d = _inputs([150, 0, 70], 2, 4, 64, 64, torch.float32)
+    cu = cu_from_lens([150, 0, 70], DEV)
+    want, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, use_qk_l2norm=True)
+    got, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, use_qk_l2norm=True, prepare_config={"BKC": 32, "BVC": 16})
+    assert_close(got, want, 1e-5, "32 / 16-column blocks")
 
 
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU

@@ -314,14 +314,14 @@ SWEEP_PREFILL_E = {
     "35B-A3B-TP1 8x4096": ("35B-A3B-TP1", [4096] * 8),
     "27B-TP1 1x8192": ("27B-TP1", [8192]),
     "27B-TP1 1x32768": ("27B-TP1", [32768]),
+    "27B-TP1 8x4096": ("27B-TP1", [4096] * 8),
 }
-# (BV, warps, stages). Session 6 ran the first eight (the 2-warp ones spill); session 7 the rest, single-stage
-# ones to see whether two or three programs sharing an SM overlap one's loads with another's dots (they lost:
-# 35B 1x8192 0.44-0.49 ms against 0.22). Session 7 also ran BV 32 and 16 in one stage, which Triton builds wrong
-# for bf16 (see chunk._miscompiled_scan; the op now refuses them).
+# (BV, warps, stages). Session 6 ran the first six here and two 2-warp ones (they spill: 11-54 ms); session 7 the
+# single-stage ones, to see whether programs sharing an SM overlap one's loads with another's dots (at one wave,
+# 35B 1x8192, they lost: 0.44-0.49 ms against 0.22), and BV 32 / 16 in one stage, which Triton builds wrong for
+# bf16 (see chunk._miscompiled_scan; the op now refuses them), then the set again with 27B-TP1 8x4096 (six waves).
 SCAN_VARIANTS_E = [{"BV": bv, "num_warps": w, "num_stages": st} for bv, w, st in (
-    (64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (32, 2, 3), (16, 4, 3), (16, 2, 3), (64, 8, 3),
-    (64, 4, 1), (16, 4, 2))]
+    (64, 4, 3), (64, 4, 2), (32, 4, 3), (32, 4, 2), (16, 4, 3), (64, 8, 3), (64, 4, 1), (16, 4, 2))]
 
 
 # Set f: where the prepare kernel's time goes. STOP=1-4 end each program after a phase (raw K K^T / Q K^T and
@@ -340,7 +340,18 @@ PREPARE_VARIANTS_F = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra}
                                              {"num_warps": 8, "num_stages": 1}]
 
 
+# Set h: the default prepare spills 92 bytes per thread at its 168-register cap, all of it in the W / U phase
+# (none when truncated after the inverse); ncu on the H200 counted 4.3 M local-memory requests, L1 hit rate 8 %,
+# and the U phase (the last) took 23 % of the kernel. 32-column blocks for the q/k/v tiles and the W / U dots
+# build without spills at the same cap (bundled ptxas, sm_90).
+PREPARE_VARIANTS_H = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra} for extra in (
+    {}, {"BKC": 32, "BVC": 32}, {"BKC": 32}, {"BKC": 32, "BVC": 32, "STOP": 4}, {"BKC": 32, "BVC": 32, "STOP": 1},
+    {"BKC": 32, "BVC": 32, "maxnreg": 160}, {"BKC": 32, "BVC": 32, "maxnreg": 184})]
+
+
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
+    if sweep_set == "h":
+        return [("prepare", c) for c in PREPARE_VARIANTS_H]
     if sweep_set == "f":
         return [("prepare", c) for c in PREPARE_VARIANTS_F]
     if sweep_set == "e":
@@ -440,8 +451,8 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     if args.sweep_set == "e":
         _sweep_prefill(rows, deadline, SWEEP_PREFILL_E, [("scan", c) for c in SCAN_VARIANTS_E], save)
         return
-    if args.sweep_set == "f":
-        variants = PREPARE_VARIANTS_F
+    if args.sweep_set in ("f", "h"):
+        variants = PREPARE_VARIANTS_F if args.sweep_set == "f" else PREPARE_VARIANTS_H
         _sweep_prefill(rows, deadline, SWEEP_PREFILL_F, [("prepare", c) for c in variants], save)
         accuracy = [c for c in variants if "STOP" not in c and c.get("maxnreg") == 168]
         prepare_variant_errors(rows, save, accuracy)
@@ -545,10 +556,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
-    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f"),
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h"),
                         help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
                              "d: decode blocks with and without streaming cache hints; e: scan V blocks at 35B; "
-                             "f: prepare time by phase (truncations) and variants of its default")
+                             "f: prepare time by phase (truncations) and variants of its default; h: its column blocks")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")

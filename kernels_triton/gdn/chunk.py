@@ -590,6 +590,7 @@ def _shared_memory_per_block(device: torch.device) -> int:
 
 # prepare_config keys that are kernel flags (the rest are launch options)
 PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS", "STOP")
+PREPARE_BLOCKS = ("BKC", "BVC")  # prepare_config keys that set its column blocks (prepare_consts)
 
 
 @functools.lru_cache(maxsize=64)
@@ -627,7 +628,8 @@ def _split_prepare_config(device: torch.device, dtype: torch.dtype, override: di
         if override.get("DIAG_BY_PRODUCT") and "DIAG_ROWS" not in override:
             override = {**override, "DIAG_ROWS": 16}  # the series inverts 16-row blocks, whatever the default
         flags = {**flags, **{k: v for k, v in override.items() if k in PREPARE_CONSTEXPRS}}
-        options = {**options, **{k: v for k, v in override.items() if k not in PREPARE_CONSTEXPRS}}
+        options = {**options, **{k: v for k, v in override.items()
+                                 if k not in PREPARE_CONSTEXPRS and k not in PREPARE_BLOCKS}}
     return flags, options
 
 
@@ -669,6 +671,12 @@ class _Plan(NamedTuple):
                                  "are not pipelined; Triton 3.6 gave wrong output with 2 stages on an H200)")
             flags, options = _split_prepare_config(device, dtype, prepare_config)
             plan = plan._replace(prepare_options=options, prepare_flags=_prepare_flags(plan.dot_prec, flags))
+            if any(k in prepare_config for k in PREPARE_BLOCKS):
+                K, V, BKC, BVC, C = plan.prepare_consts
+                BKC, BVC = prepare_config.get("BKC", BKC), prepare_config.get("BVC", BVC)
+                if not all(b in (16, 32, 64) for b in (BKC, BVC)):
+                    raise ValueError(f"prepare_config BKC={BKC}, BVC={BVC}: accepted 16, 32 or 64")
+                plan = plan._replace(prepare_consts=(K, V, BKC, BVC, C))
         if scan_config is not None:
             if device.type == "cuda" and _miscompiled_scan(dtype, scan_config["BV"], scan_config.get("num_stages", 3)):
                 raise ValueError(f"scan_config {scan_config}: bf16 scans need num_stages >= 2 or BV >= 64 on a GPU "

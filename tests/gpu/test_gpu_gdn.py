@@ -160,10 +160,12 @@ PREPARE_VARIANTS = {  # the tuning variants of the prepare kernel (see tuning/be
     "bf16_merges": {"LOWP_MERGE": True},
     "diag_rows_8": {"DIAG_ROWS": 8},
     "diag_rows_4": {"DIAG_ROWS": 4},
+    "columns_32": {"BKC": 32, "BVC": 32},
 }
 # The product series in plain tf32 (DIAG_BY_PRODUCT with EXACT_PREC="tf32") is left out on purpose: it fails
 # the "hard" keys below (see kernels_triton.gdn.chunk._prepare_config).
-HARD_OK = ("default", "substitution_uncapped", "product_tf32x3", "diag_rows_8", "diag_rows_4")  # no cancelling
+HARD_OK = ("default", "substitution_uncapped", "product_tf32x3", "diag_rows_8", "diag_rows_4",  # no cancelling
+           "columns_32")
 
 
 @pytest.mark.parametrize("keys", ["positive", "hard"])
