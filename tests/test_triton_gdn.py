@@ -43,6 +43,9 @@ PREFILL_CASES = {
     "ragged_grouped": ([5, 70, 0, 1, 130], 2, 4, 32, 32),
     "one_chunk_edges": ([64, 1, 65, 0], 1, 2, 16, 64),
     "odd_head_dims": ([33, 80], 2, 2, 24, 40),
+    # every sequence within one chunk: both phases in one launch (chunk._chunk_single_kernel)
+    "one_launch": ([30, 0, 20, 14], 2, 4, 32, 32),
+    "one_launch_one_token": ([1], 1, 2, 16, 64),
 }
 
 
@@ -122,6 +125,46 @@ def test_prefill_column_blocks_and_groups(K, V, H, HV):
     assert_close(ours_pool, ref_pool, TOL[torch.float32], "pool")
     for s in (1, 3, 5):
         assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
+
+
+def test_short_batches_take_one_launch(monkeypatch):
+    """Up to CHUNK tokens in all: one launch (prepare and scan in one program per sequence and head), the same
+    results as the two-launch path within fp32 rounding; from CHUNK + 1 tokens on, the two launches. bf16 with
+    V < 64 keeps two launches (its one-stage scan tile would be of the miscompiled class)."""
+    from kernels_triton.gdn import chunk
+
+    def two(**kw):
+        return kt.gdn_chunk_prefill(**kw, prepare_config={})  # a config override: the two-launch path
+
+    for lens, raw in (([40], False), ([64], True), ([5, 0, 59], True)):
+        d = _inputs(lens, 2, 4, 64, 64, torch.float32, raw=raw)
+        gen = torch.Generator().manual_seed(5)
+        h0 = (torch.randn(len(lens), 4, 64, 64, generator=gen) * 0.1).to(DEV)
+        kw = dict(d, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+        if len(lens) > 1:
+            kw["cu_seqlens"] = cu_from_lens(lens, DEV)
+        want_o, want_h = two(**kw)
+        calls = []
+        monkeypatch.setattr(chunk, "_launch_scan", lambda *a, calls=calls: calls.append("scan"))
+        monkeypatch.setattr(chunk, "_launch_prepare", lambda *a, calls=calls: calls.append("prepare"))
+        got_o, got_h = kt.gdn_chunk_prefill(**kw)
+        monkeypatch.undo()
+        assert calls == [], calls
+        assert_close(got_o, want_o, 1e-5, f"output {lens}")
+        assert_close(got_h, want_h, 1e-5, f"final state {lens}")
+        ro, rh = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in kw.items() if isinstance(v, torch.Tensor)}),
+                                       output_final_state=True, use_qk_l2norm=True)
+        assert_close(got_o, ro, TOL[torch.float32], f"output vs reference {lens}")
+        assert_close(got_h, rh, TOL[torch.float32], f"final state vs reference {lens}")
+
+    launched = []
+    monkeypatch.setattr(chunk, "_launch_single", lambda *a: launched.append("single"))
+    monkeypatch.setattr(chunk, "_launch_prepare", lambda *a: launched.append("prepare"))
+    monkeypatch.setattr(chunk, "_launch_scan", lambda *a: launched.append("scan"))
+    kt.gdn_chunk_prefill(**_inputs([65], 1, 1, 16, 16, torch.float32))
+    kt.gdn_chunk_prefill(**_inputs([30], 1, 1, 16, 32, torch.bfloat16))
+    kt.gdn_chunk_prefill(**_inputs([30], 1, 1, 16, 64, torch.bfloat16))
+    assert launched == ["prepare", "scan", "prepare", "scan", "single"]
 
 
 def test_prefill_single_sequence_no_state_and_metadata():
@@ -475,6 +518,10 @@ for by_product, diag_rows in ((False, 16), (True, 16), (False, 4)):
 for bv, stages in ((64, 3), (16, 3)):
     sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
                                         HAS_INIT_FLAGS=True, DOT_PREC="tf32"), act, stages=stages)
+sm90(chunk._chunk_single_kernel, dict(dims, BKC=64, BVC=64, BK=128, BV=64, VARLEN=True, RAW_GATING=True, USE_L2=True,
+                                      STATE_IN=True, STATE_OUT=True, POOL=True, HAS_INIT_FLAGS=True, DOT_PREC="tf32",
+                                      EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=False, LOWP_MERGE=False, DIAG_ROWS=4,
+                                      STOP=0, g_ptr=None, beta_ptr=None), act, stages=1)
 fp16 = dict(act, q_ptr="*fp16", k_ptr="*fp16", o_ptr="*fp16", ws_ptr="*fp32")
 sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=32, VARLEN=False, STATE_IN=False, STATE_OUT=True, POOL=False,
                                     HAS_INIT_FLAGS=False, DOT_PREC="tf32", cu_ptr=None, h0_ptr=None,

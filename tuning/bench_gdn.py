@@ -196,12 +196,12 @@ def bench_host(fla, rows: list[dict], deadline: float) -> None:
             jit = _bench.host_us_per_call(fn)
         finally:
             _launch.ENABLED = True
-        launchers = chunk._launch_prepare, chunk._launch_scan
-        chunk._launch_prepare = chunk._launch_scan = lambda grid, args, options: None
+        launchers = chunk._launch_prepare, chunk._launch_scan, chunk._launch_single
+        chunk._launch_prepare = chunk._launch_scan = chunk._launch_single = lambda grid, args, options: None
         try:
             wrapper = _bench.host_us_per_call(fn)
         finally:
-            chunk._launch_prepare, chunk._launch_scan = launchers
+            chunk._launch_prepare, chunk._launch_scan, chunk._launch_single = launchers
         theirs = _bench.host_us_per_call(_fla_prefill(fla, d)) if fla is not None and time.time() < deadline else None
         rows.append(_bench.row("gdn_chunk_prefill host cost", f"{hname} T=64", "bfloat16", ours / 1e3,
                                "fla.chunk_gated_delta_rule" if theirs else None,

@@ -16,6 +16,11 @@ The WY/UT chunk form of :mod:`qwen35.reference.gdn` is split where its dependenc
    and the output is produced in the same pass. Columns of S are independent, so splitting V
    into blocks keeps the GPU busy when there are few heads (TP4/TP8) or one long sequence.
 
+A batch of at most ``CHUNK`` tokens (every sequence within one chunk: short prompts, where the host's launch
+cost dominates) runs both phases in one launch instead, ``_chunk_single_kernel``: one program per (sequence,
+value head, 64-wide V block) prepares its chunk into its own copy of the workspace and scans its V block
+(H200, T=64: 40 -> 30 µs of host per call, 17.5 -> 19.0 µs of GPU time; tuning/notes_gdn.md session 7).
+
 Numerics: decays enter only as chunk-local differences ``g_i - g_j`` (i >= j) and ``g_C - g_i``;
 S and all accumulations are fp32. The workspace is bf16 for bf16 inputs and fp32 for fp16/fp32
 inputs (fp16 could overflow there); dots run with bf16 operands for bf16, tf32 for fp16 and full
@@ -204,15 +209,6 @@ def _tile_mask(rmask, cols, D: tl.constexpr, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _load_state(ptrs, mask):
-    """A state tile as fp32; ``mask`` None when the tile does not overhang."""
-    if mask is None:
-        return tl.load(ptrs).to(tl.float32)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
 def _workspace(ws_ptr, T, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
     """The one workspace allocation: W ``[HV, T, K]``, U ``[HV, T, V]``, Aqk ``[HV, T, C]`` back to back in
     the workspace dtype, then (from a 16-byte aligned offset) three fp32 ``[HV, T]`` rows per token: the
@@ -300,6 +296,87 @@ def _store_tile(base, row_stride, rmask, c0, D: tl.constexpr, BD: tl.constexpr, 
              mask=_tile_mask(rmask, cols, D, D % BD == 0))
 
 
+@triton.jit
+def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, ws_ptr, start, end, hv,
+                   u_lo, u_hi, T, scale, H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr, BKC: tl.constexpr,
+                   BVC: tl.constexpr, C: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
+                   DOT_PREC: tl.constexpr, EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr,
+                   LOWP_MERGE: tl.constexpr, DIAG_ROWS: tl.constexpr, STOP: tl.constexpr):
+    """Phase 1 for the non-empty chunk ``[start, end)`` (at most C tokens) of value head ``hv``: its workspace rows
+    (W, U, Aqk, g and the row scales; see the module docstring), U only in columns ``u_lo .. u_hi``. STOP: see
+    ``_chunk_prepare_kernel``."""
+    h = hv // (HV // H)
+    rows = tl.arange(0, C)
+    t = (start + rows).to(tl.int64)
+    tmask = rows < end - start
+    ws_dtype = ws_ptr.dtype.element_ty  # workspace and dot-operand dtype
+    w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
+    head_row = hv.to(tl.int64) * T + start  # this chunk's first row in the head-major workspace
+    q_base = q_ptr + (start.to(tl.int64) * H + h) * K
+    k_base = k_ptr + (start.to(tl.int64) * H + h) * K
+    v_base = v_ptr + (start.to(tl.int64) * HV + hv) * V
+
+    # Raw K K^T, Q K^T and row sums of squares, K in column blocks: a small live set.
+    kk = tl.zeros((C, C), dtype=tl.float32)
+    qk = tl.zeros((C, C), dtype=tl.float32)
+    ssk = tl.zeros((C,), dtype=tl.float32)
+    ssq = tl.zeros((C,), dtype=tl.float32)
+    for c0 in tl.range(0, K, BKC):
+        k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
+        q = _load_tile(q_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
+        kk = tl.dot(k, tl.trans(k), acc=kk, input_precision=DOT_PREC)
+        qk = tl.dot(q, tl.trans(k), acc=qk, input_precision=DOT_PREC)
+        if USE_L2:
+            kf = k.to(tl.float32)
+            qf = q.to(tl.float32)
+            ssk += tl.sum(kf * kf, axis=1)
+            ssq += tl.sum(qf * qf, axis=1)
+    if USE_L2:
+        rk = tl.rsqrt(ssk + 1e-6)
+        rq = tl.rsqrt(ssq + 1e-6) * scale
+    else:
+        rk = tl.full((C,), 1.0, dtype=tl.float32)
+        rq = tl.full((C,), scale, dtype=tl.float32)
+
+    g, beta = _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, gate_stride,
+                      RAW_GATING)
+    g = tl.cumsum(g, axis=0)  # chunk-local cumulative log-decay
+    if STOP == 1:
+        _store_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C, kk + qk * (rq * g)[:, None] + (rk * beta)[None, :])
+        return
+    # Row scales for the scan (it then feeds q and k to its dots untouched): g, |q|^-1 scale e^g, |k|^-1.
+    tl.store(gcum_ptr + head_row + rows, g, mask=tmask)
+    plane = HV.to(tl.int64) * T  # the three fp32 row-scale planes of gcum, each [HV, T]
+    tl.store(gcum_ptr + plane + head_row + rows, rq * tl.exp(g), mask=tmask)
+    tl.store(gcum_ptr + 2 * plane + head_row + rows, rk, mask=tmask)
+
+    i = rows[:, None]
+    j = rows[None, :]
+    gamma = tl.exp(tl.where(i >= j, g[:, None] - g[None, :], float("-inf")))  # exp(g_i - g_j), i >= j
+    _store_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C, qk * (rq[:, None] * rk[None, :]) * gamma)
+    A = tl.where(i > j, kk * ((beta * rk)[:, None] * rk[None, :]) * gamma, 0.0)
+    if STOP == 2:
+        _store_tile(u_ptr + head_row * V, V, tmask, 0, V, C, A)
+        return
+    Tinv = _unit_lower_inverse(A, C, DOT_PREC, DIAG_BY_PRODUCT, EXACT_PREC,
+                               ws_dtype if LOWP_MERGE else tl.float32, DIAG_ROWS)
+    if STOP == 3:
+        _store_tile(u_ptr + head_row * V, V, tmask, 0, V, C, Tinv)
+        return
+
+    # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V, in column blocks (k, v re-read from L1/L2).
+    tw = (Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype)
+    tu = (Tinv * beta[None, :]).to(ws_dtype)
+    for c0 in tl.range(0, K, BKC):
+        k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
+        _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tw, k, input_precision=DOT_PREC))
+    if STOP == 4:
+        return
+    for c0 in tl.range(u_lo, u_hi, BVC):
+        v = _load_tile(v_base, HV * V, tmask, c0, V, BVC).to(ws_dtype)
+        _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(tu, v, input_precision=DOT_PREC))
+
+
 @triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride"])  # one compile serves every length and head count
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr,
@@ -321,7 +398,6 @@ def _chunk_prepare_kernel(
     pid = tl.program_id(0)
     chunk = pid // HV
     hv = pid % HV
-    h = hv // (HV // H)
     if VARLEN:
         start = tl.load(bounds_ptr + 2 * chunk)
         end = tl.load(bounds_ptr + 2 * chunk + 1)
@@ -329,75 +405,107 @@ def _chunk_prepare_kernel(
         start = chunk * C
         end = tl.minimum(start + C, T)
     if end > start:
-        rows = tl.arange(0, C)
-        t = (start + rows).to(tl.int64)
-        tmask = rows < end - start
-        ws_dtype = ws_ptr.dtype.element_ty  # workspace and dot-operand dtype
-        w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
-        head_row = hv.to(tl.int64) * T + start  # this chunk's first row in the head-major workspace
-        q_base = q_ptr + (start.to(tl.int64) * H + h) * K
-        k_base = k_ptr + (start.to(tl.int64) * H + h) * K
-        v_base = v_ptr + (start.to(tl.int64) * HV + hv) * V
+        _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, ws_ptr, start, end,
+                       hv, 0, V, T, scale, H, HV, gate_stride, K, V, BKC, BVC, C, RAW_GATING, USE_L2, DOT_PREC,
+                       EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP)
 
-        # Raw K K^T, Q K^T and row sums of squares, K in column blocks: a small live set.
-        kk = tl.zeros((C, C), dtype=tl.float32)
-        qk = tl.zeros((C, C), dtype=tl.float32)
-        ssk = tl.zeros((C,), dtype=tl.float32)
-        ssq = tl.zeros((C,), dtype=tl.float32)
-        for c0 in tl.range(0, K, BKC):
-            k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
-            q = _load_tile(q_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
-            kk = tl.dot(k, tl.trans(k), acc=kk, input_precision=DOT_PREC)
-            qk = tl.dot(q, tl.trans(k), acc=qk, input_precision=DOT_PREC)
-            if USE_L2:
-                kf = k.to(tl.float32)
-                qf = q.to(tl.float32)
-                ssk += tl.sum(kf * kf, axis=1)
-                ssq += tl.sum(qf * qf, axis=1)
-        if USE_L2:
-            rk = tl.rsqrt(ssk + 1e-6)
-            rq = tl.rsqrt(ssq + 1e-6) * scale
+
+@triton.jit
+def _state_tile_io(ptr, S, hv, vb, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                   STORE: tl.constexpr):
+    """Load (``STORE`` False: fp32, ``S`` unused) or store ``S`` as the ``[BK, BV]`` tile of V block ``vb`` of value
+    head ``hv`` in the ``[HV, K, V]`` state at ``ptr``; unmasked (vectorised) when the tile does not overhang."""
+    kcols = tl.arange(0, BK)
+    vcols = vb * BV + tl.arange(0, BV)
+    ptrs = ptr + (hv * K + kcols[:, None]).to(tl.int64) * V + vcols[None, :]
+    if (BK == K) & (V % BV == 0):
+        if STORE:
+            tl.store(ptrs, S.to(ptr.dtype.element_ty))
         else:
-            rk = tl.full((C,), 1.0, dtype=tl.float32)
-            rq = tl.full((C,), scale, dtype=tl.float32)
+            S = tl.load(ptrs).to(tl.float32)
+    else:
+        smask = (kcols[:, None] < K) & (vcols[None, :] < V)
+        if STORE:
+            tl.store(ptrs, S.to(ptr.dtype.element_ty), mask=smask)
+        else:
+            S = tl.load(ptrs, mask=smask, other=0.0).to(tl.float32)
+    return S
 
-        g, beta = _gating(t, tmask, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, gate_stride,
-                          RAW_GATING)
-        g = tl.cumsum(g, axis=0)  # chunk-local cumulative log-decay
-        if STOP == 1:
-            _store_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C, kk + qk * (rq * g)[:, None] + (rk * beta)[None, :])
-            return
-        # Row scales for the scan (it then feeds q and k to its dots untouched): g, |q|^-1 scale e^g, |k|^-1.
-        tl.store(gcum_ptr + head_row + rows, g, mask=tmask)
-        plane = HV.to(tl.int64) * T  # the three fp32 row-scale planes of gcum, each [HV, T]
-        tl.store(gcum_ptr + plane + head_row + rows, rq * tl.exp(g), mask=tmask)
-        tl.store(gcum_ptr + 2 * plane + head_row + rows, rk, mask=tmask)
 
-        i = rows[:, None]
-        j = rows[None, :]
-        gamma = tl.exp(tl.where(i >= j, g[:, None] - g[None, :], float("-inf")))  # exp(g_i - g_j), i >= j
-        _store_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C, qk * (rq[:, None] * rk[None, :]) * gamma)
-        A = tl.where(i > j, kk * ((beta * rk)[:, None] * rk[None, :]) * gamma, 0.0)
-        if STOP == 2:
-            _store_tile(u_ptr + head_row * V, V, tmask, 0, V, C, A)
-            return
-        Tinv = _unit_lower_inverse(A, C, DOT_PREC, DIAG_BY_PRODUCT, EXACT_PREC,
-                                   ws_dtype if LOWP_MERGE else tl.float32, DIAG_ROWS)
-        if STOP == 3:
-            _store_tile(u_ptr + head_row * V, V, tmask, 0, V, C, Tinv)
-            return
+@triton.jit
+def _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, vb, pool_slot_stride, HV, K: tl.constexpr,
+                   V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, STATE_IN: tl.constexpr, POOL: tl.constexpr,
+                   HAS_INIT_FLAGS: tl.constexpr):
+    """(state tile fp32, pool slot) of sequence ``n``: a per-sequence tensor, a pool slot (negative slot or
+    has_initial_state False: zeros), or zeros; the slot is -1 without a pool."""
+    S = tl.zeros((BK, BV), dtype=tl.float32)
+    slot = tl.full((), -1, dtype=tl.int64)
+    if POOL:
+        slot = tl.load(slots_ptr + n).to(tl.int64)
+        use_init = slot >= 0
+        if HAS_INIT_FLAGS:
+            use_init = use_init & (tl.load(has_init_ptr + n) != 0)
+        if use_init:
+            S = _state_tile_io(h0_ptr + slot * pool_slot_stride, S, hv, vb, K, V, BK, BV, False)
+    elif STATE_IN:
+        S = _state_tile_io(h0_ptr + n.to(tl.int64) * (HV * K * V), S, hv, vb, K, V, BK, BV, False)
+    return S, slot
 
-        # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V, in column blocks (k, v re-read from L1/L2).
-        tw = (Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype)
-        tu = (Tinv * beta[None, :]).to(ws_dtype)
-        for c0 in tl.range(0, K, BKC):
-            k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
-            _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tw, k, input_precision=DOT_PREC))
-        if STOP == 4:
-            return
-        for c0 in tl.range(0, V, BVC):
-            v = _load_tile(v_base, HV * V, tmask, c0, V, BVC).to(ws_dtype)
-            _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(tu, v, input_precision=DOT_PREC))
+
+@triton.jit
+def _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K: tl.constexpr, V: tl.constexpr,
+                 BK: tl.constexpr, BV: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr):
+    """Write sequence ``n``'s final state tile: to its pool slot (none when the slot is negative) or tensor row."""
+    if POOL:
+        if slot >= 0:
+            _state_tile_io(ht_ptr + slot * pool_slot_stride, S, hv, vb, K, V, BK, BV, True)
+    elif STATE_OUT:
+        _state_tile_io(ht_ptr + n.to(tl.int64) * (HV * K * V), S, hv, vb, K, V, BK, BV, True)
+
+
+@triton.jit
+def _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T, H, HV, vb,
+                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                DOT_PREC: tl.constexpr):
+    """One chunk of phase 2 for V block ``vb`` of value head ``hv`` (key head ``h``; workspace parts as
+    :func:`_workspace` gives them, computed once by the caller): writes the chunk's output block, returns the state
+    after it (``S``: the state before, fp32)."""
+    ws_dtype = w_ptr.dtype.element_ty
+    rows = tl.arange(0, C)
+    tmask = rows < seq_end - chunk_start
+    head_row = hv.to(tl.int64) * T + chunk_start  # this chunk's first row in the head-major workspace
+    g = tl.load(gcum_ptr + head_row + rows, mask=tmask, other=0.0)
+    g_last = tl.load(gcum_ptr + head_row + tl.minimum(C, seq_end - chunk_start) - 1)
+    plane = HV.to(tl.int64) * T  # the row-scale planes of gcum (see the prepare kernel)
+    q_scale = tl.load(gcum_ptr + plane + head_row + rows, mask=tmask, other=0.0)
+    k_scale = tl.load(gcum_ptr + 2 * plane + head_row + rows, mask=tmask, other=0.0)
+
+    q = _load_tile(q_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
+    k = _load_tile(k_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
+    w = _load_tile(w_ptr + head_row * K, K, tmask, 0, K, BK)
+    u = _load_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV).to(tl.float32)
+    aqk = _load_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C)
+
+    # q and k go into the dots as loaded; their norms, scale and decays are row scales of the results.
+    Sd = S.to(ws_dtype)
+    v_new = u - tl.dot(w, Sd, input_precision=DOT_PREC)
+    o = tl.dot(q, Sd, input_precision=DOT_PREC) * q_scale[:, None]
+    o = tl.dot(aqk, v_new.to(ws_dtype), acc=o, input_precision=DOT_PREC)
+    _store_tile(o_ptr + (chunk_start * HV + hv) * V, HV * V, tmask, vb * BV, V, BV, o)
+    v_scaled = (v_new * (k_scale * tl.exp(g_last - g))[:, None]).to(ws_dtype)
+    return S * tl.exp(g_last) + tl.dot(tl.trans(k), v_scaled, input_precision=DOT_PREC)
+
+
+@triton.jit
+def _sequence_bounds(cu_ptr, n, T, VARLEN: tl.constexpr):
+    """(first token, end token) of sequence ``n``, int64: from ``cu_seqlens`` or the whole batch."""
+    if VARLEN:
+        start = tl.load(cu_ptr + n).to(tl.int64)
+        end = tl.load(cu_ptr + n + 1).to(tl.int64)
+    else:
+        start = tl.zeros((), dtype=tl.int64)
+        end = start + T
+    return start, end
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV", "NH"])
@@ -416,66 +524,54 @@ def _chunk_scan_kernel(
         return
     n = nh // HV
     hv = nh % HV
+    seq_start, seq_end = _sequence_bounds(cu_ptr, n, T, VARLEN)
     h = hv // (HV // H)
-    if VARLEN:
-        seq_start = tl.load(cu_ptr + n).to(tl.int64)
-        seq_end = tl.load(cu_ptr + n + 1).to(tl.int64)
-    else:
-        seq_start = tl.zeros((), dtype=tl.int64)
-        seq_end = seq_start + T
     w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
-    ws_dtype = ws_ptr.dtype.element_ty
-
-    kcols = tl.arange(0, BK)
-    vcols = vb * BV + tl.arange(0, BV)
-    if (BK == K) & (V % BV == 0):
-        smask = None
-    else:
-        smask = (kcols[:, None] < K) & (vcols[None, :] < V)
-    s_off = (hv * K + kcols[:, None]).to(tl.int64) * V + vcols[None, :]  # offset inside one [HV, K, V] state
-
-    # Initial state: a per-sequence tensor, a pool slot (negative slot or has_initial_state False: zeros), or zeros.
-    S = tl.zeros((BK, BV), dtype=tl.float32)
-    if POOL:
-        slot = tl.load(slots_ptr + n).to(tl.int64)
-        use_init = slot >= 0
-        if HAS_INIT_FLAGS:
-            use_init = use_init & (tl.load(has_init_ptr + n) != 0)
-        if use_init:
-            S = _load_state(h0_ptr + slot * pool_slot_stride + s_off, smask)
-    elif STATE_IN:
-        S = _load_state(h0_ptr + n.to(tl.int64) * (HV * K * V) + s_off, smask)
-
-    rows = tl.arange(0, C)
+    S, slot = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV,
+                             STATE_IN, POOL, HAS_INIT_FLAGS)
     for chunk_start in range(seq_start, seq_end, C):
-        tmask = rows < seq_end - chunk_start
-        head_row = hv.to(tl.int64) * T + chunk_start  # this chunk's first row in the head-major workspace
-        g = tl.load(gcum_ptr + head_row + rows, mask=tmask, other=0.0)
-        g_last = tl.load(gcum_ptr + head_row + tl.minimum(C, seq_end - chunk_start) - 1)
-        plane = HV.to(tl.int64) * T  # the row-scale planes of gcum (see the prepare kernel)
-        q_scale = tl.load(gcum_ptr + plane + head_row + rows, mask=tmask, other=0.0)
-        k_scale = tl.load(gcum_ptr + 2 * plane + head_row + rows, mask=tmask, other=0.0)
+        S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T, H, HV,
+                        vb, K, V, BK, BV, C, DOT_PREC)
+    _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV, STATE_OUT, POOL)
 
-        q = _load_tile(q_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
-        k = _load_tile(k_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
-        w = _load_tile(w_ptr + head_row * K, K, tmask, 0, K, BK)
-        u = _load_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV).to(tl.float32)
-        aqk = _load_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C)
 
-        # q and k go into the dots as loaded; their norms, scale and decays are row scales of the results.
-        Sd = S.to(ws_dtype)
-        v_new = u - tl.dot(w, Sd, input_precision=DOT_PREC)
-        o = tl.dot(q, Sd, input_precision=DOT_PREC) * q_scale[:, None]
-        o = tl.dot(aqk, v_new.to(ws_dtype), acc=o, input_precision=DOT_PREC)
-        _store_tile(o_ptr + (chunk_start * HV + hv) * V, HV * V, tmask, vb * BV, V, BV, o)
-        v_scaled = (v_new * (k_scale * tl.exp(g_last - g))[:, None]).to(ws_dtype)
-        S = S * tl.exp(g_last) + tl.dot(tl.trans(k), v_scaled, input_precision=DOT_PREC)
-
-    if POOL:
-        if slot >= 0:
-            tl.store(ht_ptr + slot * pool_slot_stride + s_off, S.to(ht_ptr.dtype.element_ty), mask=smask)
-    elif STATE_OUT:
-        tl.store(ht_ptr + n.to(tl.int64) * (HV * K * V) + s_off, S.to(ht_ptr.dtype.element_ty), mask=smask)
+@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride", "ws_copy"])
+def _chunk_single_kernel(
+    q_ptr, k_ptr, v_ptr,
+    g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+    ws_ptr, o_ptr,
+    cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
+    T, scale, pool_slot_stride, ws_copy,
+    H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr,
+    BKC: tl.constexpr, BVC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
+    STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
+    DOT_PREC: tl.constexpr, EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr, LOWP_MERGE: tl.constexpr,
+    DIAG_ROWS: tl.constexpr, STOP: tl.constexpr,
+):
+    """Both phases in one launch for a batch whose sequences fit one chunk each (T <= C; the host checks): one
+    program per (sequence, value head, V block) prepares the chunk (U in its own V block only) into its own copy of
+    the workspace (``ws_copy`` elements apart), then scans its V block. The V blocks' programs repeat the prepare
+    side by side instead of waiting for one another: at one chunk, latency is what counts."""
+    nh = tl.program_id(0)
+    vb = tl.program_id(1)
+    n = nh // HV
+    hv = nh % HV
+    start, end = _sequence_bounds(cu_ptr, n, T, VARLEN)
+    ws_ptr += vb * ws_copy
+    if end > start:
+        _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, ws_ptr, start, end,
+                       hv, vb * BV, tl.minimum(vb * BV + BV, V), T, scale, H, HV, gate_stride, K, V, BKC, BVC, C,
+                       RAW_GATING, USE_L2, DOT_PREC, EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP)
+    tl.debug_barrier()  # the workspace rows the program's threads wrote are read back by the others below
+    h = hv // (HV // H)
+    w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
+    S, slot = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV,
+                             STATE_IN, POOL, HAS_INIT_FLAGS)
+    if end > start:
+        S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, start, end, hv, h, T, H, HV, vb,
+                        K, V, BK, BV, C, DOT_PREC)
+    _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV, STATE_OUT, POOL)
 
 
 # ----------------------------------------------------------------------------- host side
@@ -656,6 +752,7 @@ class _Plan(NamedTuple):
     prepare_options: dict
     scan_consts: tuple  # K, V, BK, BV, C
     scan_options: dict
+    single_options: dict  # the single-launch kernel's: the prepare's without its register cap (few programs)
 
     def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
@@ -699,11 +796,13 @@ def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: 
         prepare_consts=(K, V, min(BK, 64), min(BV_full, 64), CHUNK),
         prepare_flags=_prepare_flags(dot_prec, flags),
         prepare_options=prepare_options, scan_consts=(K, V, BK, scan["BV"], CHUNK),
-        scan_options={k: v for k, v in scan.items() if k != "BV"})
+        scan_options={k: v for k, v in scan.items() if k != "BV"},
+        single_options={k: v for k, v in prepare_options.items() if k != "maxnreg"})
 
 
 _launch_prepare = DirectLauncher(_chunk_prepare_kernel)
 _launch_scan = DirectLauncher(_chunk_scan_kernel)
+_launch_single = DirectLauncher(_chunk_single_kernel)
 
 
 def gdn_chunk_prefill(
@@ -755,18 +854,24 @@ def gdn_chunk_prefill(
     scale = K**-0.5 if scale is None else float(scale)
     varlen = cu_seqlens is not None
     N = cu_seqlens.shape[0] - 1 if varlen else 1
+    # Every sequence within one chunk: both phases in one launch, no chunk table (short prompts are host-bound).
+    # Not for bf16 with V < 64: its scan tile would be one of the miscompiled class (see _miscompiled_scan).
+    single = (0 < T <= CHUNK and N > 0 and prepare_config is None and scan_config is None
+              and (V >= 64 or q.dtype != torch.bfloat16))
     if varlen:
         if isinstance(metadata, GdnChunkMetadata):
             mcu = metadata.cu_seqlens
             if mcu is not cu_seqlens and (mcu.data_ptr() != cu_seqlens.data_ptr() or mcu.shape[0] != N + 1):
                 raise ValueError("metadata was prepared for another cu_seqlens tensor; call prepare_gdn_metadata "
                                  "on this batch's cu_seqlens")
-            if metadata.version == cu_seqlens._version:
+            if single:
+                bounds, num_chunks = None, N
+            elif metadata.version == cu_seqlens._version:
                 bounds, num_chunks = metadata.chunk_bounds, metadata.num_chunks
             else:  # written in place since: the table may be stale
                 bounds, num_chunks = _chunk_bounds_on_device(cu_seqlens, T) if N > 0 else (None, 0)
         elif metadata is None:
-            bounds, num_chunks = (_chunk_bounds_on_device(cu_seqlens, T) if N > 0 else (None, 0))
+            bounds, num_chunks = (_chunk_bounds_on_device(cu_seqlens, T) if N > 0 and not single else (None, N))
         else:
             raise ValueError(f"metadata must come from kernels_triton.prepare_gdn_metadata, got {type(metadata)}")
     else:
@@ -776,7 +881,30 @@ def gdn_chunk_prefill(
         plan = plan._replace_configs(dev, q.dtype, prepare_config, scan_config)
 
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev) if out is None else out
-    ws = torch.empty(HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
+    single_bv = min(_pow2(V), 64)  # 64: narrower would be of the miscompiled class for bf16 (_miscompiled_scan)
+    copies = _cdiv(V, single_bv) if single else 1  # the single-launch kernel's programs each have their own
+    ws = torch.empty(copies * HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
+    pool = state_pool is not None
+    final = None
+    if pool:
+        h0 = ht = state_pool
+    else:
+        h0 = initial_state
+        if output_final_state:
+            final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
+        ht = final
+    pool_slot_stride = state_pool.stride(0) if pool else HV * K * V
+
+    if single:
+        Kc, Vc, BKC, BVC, C = plan.prepare_consts
+        _launch_single((N * HV, copies), (q, k, v, g, beta, a, b, A_log, dt_bias, ws, o, cu_seqlens, h0, ht,
+                                           state_slots, has_initial_state, T, scale, pool_slot_stride,
+                                           HV * T * plan.ws_row, H, HV, gate_stride, Kc, Vc, BKC, min(BVC, single_bv),
+                                           plan.scan_consts[2], single_bv, C, varlen, a is not None, use_qk_l2norm,
+                                           h0 is not None, ht is not None, pool, has_initial_state is not None,
+                                           *plan.prepare_flags),
+                       plan.single_options)
+        return o, final
 
     # Phase 1: everything that does not need the running state, all chunks in parallel.
     if num_chunks > 0 and T > 0:
@@ -787,19 +915,10 @@ def gdn_chunk_prefill(
                         plan.prepare_options)
 
     # Phase 2: the sequential pass over chunks, state in registers, output and final state written.
-    pool = state_pool is not None
-    final = None
-    if pool:
-        h0 = ht = state_pool
-    else:
-        h0 = initial_state
-        if output_final_state:
-            final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
-        ht = final
     if N > 0:
         _launch_scan(plan.scan_grid(N, HV),
                      (q, k, ws, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
-                      state_pool.stride(0) if pool else HV * K * V, H, HV, N * HV, *plan.scan_consts, varlen,
+                      pool_slot_stride, H, HV, N * HV, *plan.scan_consts, varlen,
                       h0 is not None, ht is not None, pool, has_initial_state is not None, plan.dot_prec),
                      plan.scan_options)
     return o, final

@@ -107,12 +107,18 @@ def test_prefill_one_sequence_of_32_value_heads(dtype):
     """The 35B-A3B GDN shape (16 / 32 heads, one 8192-token sequence): 32 (sequence, head) pairs, where the scan
     takes 32-wide V blocks on an H200-sized GPU (kernels_triton.gdn.chunk._scan_config); output and pool slot vs
     the fp64 reference."""
-    lens, H, HV, K, V = [8192], 16, 32, 128, 128
-    d = _gdn_inputs(sum(lens), H, HV, K, V, dtype, seed=23)
+    _pool_prefill_vs_reference([8192], 16, 32, dtype, [2], [True], seed=23)
+
+
+def _pool_prefill_vs_reference(lens, H, HV, dtype, slots, has, seed):
+    """Prefill ``lens`` into pool ``slots`` (-1: padding) with ``has_initial_state`` flags: output and pool vs the
+    fp64 reference, slots not named untouched."""
+    K = V = 128
+    d = _gdn_inputs(sum(lens), H, HV, K, V, dtype, seed=seed)
     cu = cu_from_lens(lens, DEV)
-    pool = _rand(torch.Generator(device=DEV).manual_seed(24), 3, HV, K, V, scale=0.1)
-    slots = torch.tensor([2], dtype=torch.int32, device=DEV)
-    has = torch.tensor([True], device=DEV)
+    pool = _rand(torch.Generator(device=DEV).manual_seed(seed + 1), max(slots) + 2, HV, K, V, scale=0.1)
+    slots = torch.tensor(slots, dtype=torch.int32, device=DEV)
+    has = torch.tensor(has, device=DEV)
     ours = pool.clone()
     o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=ours, state_slots=slots, has_initial_state=has,
                                 use_qk_l2norm=True)
@@ -122,6 +128,16 @@ def test_prefill_one_sequence_of_32_value_heads(dtype):
     assert_close(o, ro, TOL[dtype], f"output {dtype}")
     assert_close(ours, ref_pool, TOL[dtype], f"pool {dtype}")
     _check_untouched(ours, pool, slots)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[64], [1], [17, 0, 30, 17]], ids=["64", "1", "ragged"])
+def test_prefill_short_batch_one_launch(dtype, lens):
+    """Batches of at most 64 tokens run both phases in one launch (chunk._chunk_single_kernel): output and pool vs
+    the fp64 reference at the 27B-TP4 head counts, padded slots and has_initial_state flags included."""
+    N = len(lens)
+    _pool_prefill_vs_reference(lens, 4, 12, dtype, [N + 1 - i if i != 1 else -1 for i in range(N)],
+                               [i % 2 == 0 for i in range(N)], seed=31)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
