@@ -110,10 +110,9 @@ def test_prefill_one_sequence_of_32_value_heads(dtype):
     _pool_prefill_vs_reference([8192], 16, 32, dtype, [2], [True], seed=23)
 
 
-def _pool_prefill_vs_reference(lens, H, HV, dtype, slots, has, seed):
+def _pool_prefill_vs_reference(lens, H, HV, dtype, slots, has, seed, K=128, V=128):
     """Prefill ``lens`` into pool ``slots`` (-1: padding) with ``has_initial_state`` flags: output and pool vs the
     fp64 reference, slots not named untouched."""
-    K = V = 128
     d = _gdn_inputs(sum(lens), H, HV, K, V, dtype, seed=seed)
     cu = cu_from_lens(lens, DEV)
     pool = _rand(torch.Generator(device=DEV).manual_seed(seed + 1), max(slots) + 2, HV, K, V, scale=0.1)
@@ -138,6 +137,17 @@ def test_prefill_short_batch_one_launch(dtype, lens):
     N = len(lens)
     _pool_prefill_vs_reference(lens, 4, 12, dtype, [N + 1 - i if i != 1 else -1 for i in range(N)],
                                [i % 2 == 0 for i in range(N)], seed=31)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dims", [(32, 32), (64, 64), (16, 48)], ids=["32", "64", "16x48"])
+@pytest.mark.parametrize("lens", [[100, 37], [40, 0, 20]], ids=["two_launches", "one_launch"])
+def test_prefill_small_head_dims(dtype, dims, lens):
+    """Head dims under 128 (the tiny test models' 32): narrower prepare tiles (one pipeline stage) and scan
+    blocks than any Qwen3.5 size, the class of tiles Triton 3.6 built wrong in the bf16 scan (session 7)."""
+    K, V = dims
+    _pool_prefill_vs_reference(lens, 2, 4, dtype, [3, -1, 0][:len(lens)], [True, False, True][:len(lens)], seed=33,
+                               K=K, V=V)
 
 
 @pytest.mark.parametrize("stages", [1, 2, 3])
