@@ -1,4 +1,4 @@
-"""Chunked Gated DeltaNet prefill in two launches (varlen, grouped value heads, fused gating and L2 norm).
+"""Chunked Gated DeltaNet prefill in two launches, one for short batches (varlen, grouped heads, fused gating).
 
 The WY/UT chunk form of :mod:`qwen35.reference.gdn` is split where its dependencies split:
 
