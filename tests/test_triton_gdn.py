@@ -128,18 +128,19 @@ def test_prefill_column_blocks_and_groups(K, V, H, HV):
 
 
 def test_short_batches_take_one_launch(monkeypatch):
-    """Up to CHUNK tokens in all: one launch (prepare and scan in one program per sequence and head), the same
-    results as the two-launch path within fp32 rounding; from CHUNK + 1 tokens on, the two launches. bf16 with
-    V < 64 keeps two launches (its one-stage scan tile would be of the miscompiled class)."""
+    """Up to CHUNK tokens in all: one launch (prepare and scan in one program per sequence, head and 64-wide V
+    block, each with its own workspace copy), the same results as the two-launch path within fp32 rounding; from
+    CHUNK + 1 tokens on, the two launches. bf16 with V < 64 keeps two launches (its one-stage scan tile would be of
+    the miscompiled class)."""
     from kernels_triton.gdn import chunk
 
     def two(**kw):
         return kt.gdn_chunk_prefill(**kw, prepare_config={})  # a config override: the two-launch path
 
-    for lens, raw in (([40], False), ([64], True), ([5, 0, 59], True)):
-        d = _inputs(lens, 2, 4, 64, 64, torch.float32, raw=raw)
+    for lens, raw, K, V in (([40], False, 64, 64), ([64], True, 32, 128), ([5, 0, 59], True, 64, 64)):
+        d = _inputs(lens, 2, 4, K, V, torch.float32, raw=raw)
         gen = torch.Generator().manual_seed(5)
-        h0 = (torch.randn(len(lens), 4, 64, 64, generator=gen) * 0.1).to(DEV)
+        h0 = (torch.randn(len(lens), 4, K, V, generator=gen) * 0.1).to(DEV)
         kw = dict(d, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
         if len(lens) > 1:
             kw["cu_seqlens"] = cu_from_lens(lens, DEV)

@@ -336,14 +336,15 @@ SWEEP_PREFILL_F = {
 }
 PREPARE_VARIANTS_F = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra} for extra in (
     {"STOP": 1}, {"STOP": 2}, {"STOP": 3}, {"STOP": 4}, {}, {"LOWP_MERGE": True}, {"maxnreg": 200},
-    {"maxnreg": 152})] + [{"num_warps": 8, "num_stages": 1, "maxnreg": 128},
-                                             {"num_warps": 8, "num_stages": 1}]
+    {"maxnreg": 152})] + [{"num_warps": 8, "num_stages": 1, "maxnreg": 128}, {"num_warps": 8, "num_stages": 1}]
 
 
 # Set h: the default prepare spills 92 bytes per thread at its 168-register cap, all of it in the W / U phase
 # (none when truncated after the inverse); ncu on the H200 counted 4.3 M local-memory requests, L1 hit rate 8 %,
 # and the U phase (the last) took 23 % of the kernel. 32-column blocks for the q/k/v tiles and the W / U dots
-# build without spills at the same cap (bundled ptxas, sm_90).
+# build without spills at the same cap (bundled ptxas, sm_90). Outcome: slower (1.470 vs 1.317 ms at 27B-TP1
+# 8x4096), so the spills are not what the U phase costs. (Set g, an L2 prefetch of the v / q / k rows, changed
+# nothing and its code is gone; its results are in gdn_sweep_s7g_nvidia_h200.json.)
 PREPARE_VARIANTS_H = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra} for extra in (
     {}, {"BKC": 32, "BVC": 32}, {"BKC": 32}, {"BKC": 32, "BVC": 32, "STOP": 4}, {"BKC": 32, "BVC": 32, "STOP": 1},
     {"BKC": 32, "BVC": 32, "maxnreg": 160}, {"BKC": 32, "BVC": 32, "maxnreg": 184})]
