@@ -127,6 +127,33 @@ def test_prefill_column_blocks_and_groups(K, V, H, HV):
         assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("K,V,varlen", [(32, 32, False), (64, 32, True), (16, 48, True)])
+def test_scan_one_dot_form(dtype, K, V, varlen):
+    """scan_config MFORM (the state path in one dot: S <- e S + KU - M S, O = Q' S + AU, from a prepare that
+    writes those instead; see tuning/scan_precision.py): one sequence, initial and final state, vs the reference
+    and the default form; more than one sequence is refused."""
+    lens = [201]
+    d = _inputs(lens, 2, 4, K, V, dtype)
+    gen = torch.Generator().manual_seed(9)
+    h0 = (torch.randn(1, 4, K, V, generator=gen) * 0.1).to(DEV)
+    kw = dict(d, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+    if varlen:
+        kw["cu_seqlens"] = cu_from_lens(lens, DEV)
+    bv = min(16, V)
+    o, h = kt.gdn_chunk_prefill(**kw, scan_config={"BV": bv, "num_warps": 4, "num_stages": 2, "MFORM": True})
+    o_def, h_def = kt.gdn_chunk_prefill(**kw, scan_config={"BV": bv, "num_warps": 4, "num_stages": 2})
+    ro, rh = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in kw.items() if isinstance(v, torch.Tensor)}),
+                                   output_final_state=True, use_qk_l2norm=True)
+    assert_close(o, ro, TOL[dtype], "output, one-dot form")
+    assert_close(h, rh, TOL[dtype], "final state, one-dot form")
+    assert_close(o, o_def, TOL[dtype], "output, one-dot vs default form")
+    d2 = _inputs([30, 40], 1, 1, 16, 16, torch.float32)
+    with pytest.raises(ValueError, match="one sequence"):
+        kt.gdn_chunk_prefill(**d2, cu_seqlens=cu_from_lens([30, 40], DEV),
+                             scan_config={"BV": 16, "num_warps": 4, "num_stages": 2, "MFORM": True})
+
+
 def test_short_batches_take_one_launch(monkeypatch):
     """Up to CHUNK tokens in all: one launch (prepare and scan in one program per sequence, head and 64-wide V
     block, each with its own workspace copy), the same results as the two-launch path within fp32 rounding; from
@@ -508,17 +535,18 @@ def sm90(kernel, consts, dtypes, warps=4, stages=2):
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 act = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "o_ptr", "ws_ptr", "x_ptr", "y_ptr",
-                            "z_ptr", "w_ptr", "bias_ptr", "res_ptr", "s_ptr", "pool_ptr")}
+                            "z_ptr", "w_ptr", "bias_ptr", "res_ptr", "s_ptr", "pool_ptr", "mk_ptr")}
 act.update({n: "*fp32" for n in ("A_log_ptr", "dt_bias_ptr", "gcum_ptr", "h0_ptr", "ht_ptr")}, has_init_ptr="*i1")
 dims = dict(K=128, V=128, C=64)
-for by_product, diag_rows in ((False, 16), (True, 16), (False, 4)):
+for by_product, diag_rows, mform in ((False, 16, False), (True, 16, False), (False, 4, False), (False, 4, True)):
     sm90(chunk._chunk_prepare_kernel, dict(dims, BKC=64, BVC=64, VARLEN=True, RAW_GATING=True, USE_L2=True,
                                            DOT_PREC="tf32", EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=by_product,
-                                           LOWP_MERGE=False, DIAG_ROWS=diag_rows, g_ptr=None, beta_ptr=None),
+                                           LOWP_MERGE=False, DIAG_ROWS=diag_rows, g_ptr=None, beta_ptr=None,
+                                           STOP=0, MFORM=mform),
          act, stages=1)
-for bv, stages in ((64, 3), (16, 3)):
+for bv, stages, mform in ((64, 3, False), (16, 3, False), (16, 3, True)):
     sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
-                                        HAS_INIT_FLAGS=True, DOT_PREC="tf32"), act, stages=stages)
+                                        HAS_INIT_FLAGS=True, DOT_PREC="tf32", MFORM=mform), act, stages=stages)
 sm90(chunk._chunk_single_kernel, dict(dims, BKC=64, BVC=64, BK=128, BV=64, VARLEN=True, RAW_GATING=True, USE_L2=True,
                                       STATE_IN=True, STATE_OUT=True, POOL=True, HAS_INIT_FLAGS=True, DOT_PREC="tf32",
                                       EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=False, LOWP_MERGE=False, DIAG_ROWS=4,
@@ -526,7 +554,7 @@ sm90(chunk._chunk_single_kernel, dict(dims, BKC=64, BVC=64, BK=128, BV=64, VARLE
 fp16 = dict(act, q_ptr="*fp16", k_ptr="*fp16", o_ptr="*fp16", ws_ptr="*fp32")
 sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=32, VARLEN=False, STATE_IN=False, STATE_OUT=True, POOL=False,
                                     HAS_INIT_FLAGS=False, DOT_PREC="tf32", cu_ptr=None, h0_ptr=None,
-                                    slots_ptr=None, has_init_ptr=None), fp16)
+                                    slots_ptr=None, has_init_ptr=None, MFORM=False, mk_ptr=None), fp16)
 for stream in (False, True):
     sm90(recurrent._recurrent_step_kernel, dict(T=2, K=128, V=128, BK=128, BV=64, RAW_GATING=True, USE_L2=True,
                                                 g_ptr=None, beta_ptr=None, STREAM=stream),

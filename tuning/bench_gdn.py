@@ -350,7 +350,24 @@ PREPARE_VARIANTS_H = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra}
     {"BKC": 32, "BVC": 32, "maxnreg": 160}, {"BKC": 32, "BVC": 32, "maxnreg": 184})]
 
 
+# Set m: the scan's one-dot form (scan_config MFORM; tuning/scan_precision.py) against the default, both kernels
+# timed together (the MFORM prepare does more: M, KU, Q', AU), at one long sequence where the scan dominates.
+# Written in session 7 after the device time ran out: not yet run.
+SWEEP_PREFILL_M = {
+    "397B-TP8 1x32768": ("397B-TP8", [32768]),
+    "27B-TP4 1x32768": ("27B-TP4", [32768]),
+    "35B-A3B-TP1 1x32768": ("35B-A3B-TP1", [32768]),
+    "27B-TP1 1x32768": ("27B-TP1", [32768]),
+    "27B-TP4 1x8192": ("27B-TP4", [8192]),
+}
+BOTH_VARIANTS_M = [{"scan": None}] + [
+    {"scan": {"BV": bv, "num_warps": 4, "num_stages": 3, "MFORM": True}, "prepare": prep}
+    for bv in (16, 32, 64) for prep in (None, {"num_warps": 4, "num_stages": 1, "maxnreg": None})]  # cap 168, none
+
+
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
+    if sweep_set == "m":
+        return [("both", c) for c in BOTH_VARIANTS_M]
     if sweep_set == "h":
         return [("prepare", c) for c in PREPARE_VARIANTS_H]
     if sweep_set == "f":
@@ -384,6 +401,10 @@ def warm(index: int, sweep_set: str = "a") -> None:
     phase, cfg = all_variants(sweep_set)[index]
     if phase == "decode":
         _decode_fn(_decode_inputs(2, 2, 8), cfg)()
+    elif phase == "both":  # one sequence: the one-dot scan form takes no more
+        d = _prefill_inputs([128], 2, 8)
+        _ours_prefill(d, kt.prepare_gdn_metadata(d["cu"]),
+                      **{f"{part}_config": c for part, c in cfg.items() if c is not None})()
     else:
         d = _prefill_inputs([64, 64], 2, 8)
         _ours_prefill(d, kt.prepare_gdn_metadata(d["cu"]), **{f"{phase}_config": cfg})()
@@ -452,6 +473,9 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     if args.sweep_set == "e":
         _sweep_prefill(rows, deadline, SWEEP_PREFILL_E, [("scan", c) for c in SCAN_VARIANTS_E], save)
         return
+    if args.sweep_set == "m":
+        _sweep_prefill(rows, deadline, SWEEP_PREFILL_M, all_variants("m"), save)
+        return
     if args.sweep_set in ("f", "h"):
         variants = PREPARE_VARIANTS_F if args.sweep_set == "f" else PREPARE_VARIANTS_H
         _sweep_prefill(rows, deadline, SWEEP_PREFILL_F, [("prepare", c) for c in variants], save)
@@ -484,10 +508,16 @@ def _sweep_prefill(rows: list[dict], deadline: float, shapes: dict, variants: li
                 print("sweep: deadline reached", flush=True)
                 return
             try:
-                kernels = kernel_times_ms(_ours_prefill(d, meta, **{f"{phase}_config": cfg}), calls=3)
-                name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
+                if phase == "both":  # {"prepare": config or None, "scan": config or None}: every kernel, summed
+                    kw = {f"{part}_config": c for part, c in cfg.items() if c is not None}
+                    name = "_chunk_"
+                else:
+                    kw = {f"{phase}_config": cfg}
+                    name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
+                kernels = kernel_times_ms(_ours_prefill(d, meta, **kw), calls=3)
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "kernel_ms": round(
-                    sum(v for k, v in kernels.items() if k.startswith(name)), 4)})
+                    sum(v for k, v in kernels.items() if k.startswith(name)), 4),
+                    "kernels_ms": {k: round(v, 4) for k, v in kernels.items()}})
             except Exception as e:  # noqa: BLE001
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)
@@ -557,10 +587,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
-    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h"),
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h", "m"),
                         help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
                              "d: decode blocks with and without streaming cache hints; e: scan V blocks at 35B; "
-                             "f: prepare time by phase (truncations) and variants of its default; h: its column blocks")
+                             "f: prepare time by phase (truncations) and variants of its default; "
+                             "h: its column blocks; m: the scan's one-dot form")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")

@@ -301,10 +301,13 @@ def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr
                    u_lo, u_hi, T, scale, H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr, BKC: tl.constexpr,
                    BVC: tl.constexpr, C: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
                    DOT_PREC: tl.constexpr, EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr,
-                   LOWP_MERGE: tl.constexpr, DIAG_ROWS: tl.constexpr, STOP: tl.constexpr):
+                   LOWP_MERGE: tl.constexpr, DIAG_ROWS: tl.constexpr, STOP: tl.constexpr, mk_ptr=None,
+                   chunk=0, NC=1, MFORM: tl.constexpr = False):
     """Phase 1 for the non-empty chunk ``[start, end)`` (at most C tokens) of value head ``hv``: its workspace rows
     (W, U, Aqk, g and the row scales; see the module docstring), U only in columns ``u_lo .. u_hi``. STOP: see
-    ``_chunk_prepare_kernel``."""
+    ``_chunk_prepare_kernel``. ``MFORM``: the rows the one-dot scan reads instead (see ``_scan_chunk_mform``):
+    ``Q' = Q~ - Aqk W`` in W's rows, ``AU = Aqk U`` in U's, and ``[M | KU] = K~^T [W | U]`` (``K~``: the chunk's
+    k rows times ``e^{g_C - g} / |k|``) as the K rows of ``mk_ptr``'s entry ``chunk`` of ``NC`` for this head."""
     h = hv // (HV // H)
     rows = tl.arange(0, C)
     t = (start + rows).to(tl.int64)
@@ -367,28 +370,64 @@ def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr
     # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V, in column blocks (k, v re-read from L1/L2).
     tw = (Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype)
     tu = (Tinv * beta[None, :]).to(ws_dtype)
+    aqk, kt_scale, mk_base = tw, rk, ws_ptr  # the loops below name these in a branch only MFORM keeps
+    if MFORM:
+        tl.debug_barrier()  # Aqk, stored above by all threads, is read back whole below
+        aqk = _load_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C)
+        g_last = tl.sum(tl.where(rows == end - start - 1, g, 0.0), axis=0)
+        kt_scale = tl.where(tmask, rk * tl.exp(g_last - g), 0.0)  # K~ = diag(kt_scale) K
+        mk_base = mk_ptr + (hv.to(tl.int64) * NC + chunk) * (K * (K + V))
     for c0 in tl.range(0, K, BKC):
         k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
-        _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tw, k, input_precision=DOT_PREC))
+        w = tl.dot(tw, k, input_precision=DOT_PREC)
+        if MFORM:
+            q = _load_tile(q_base, H * K, tmask, c0, K, BKC).to(tl.float32)
+            wd = w.to(ws_dtype)
+            _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC,
+                        q * (rq * tl.exp(g))[:, None] - tl.dot(aqk, wd, input_precision=DOT_PREC))
+            _store_kt_products(mk_base, 0, c0, K, k_base, H * K, tmask, kt_scale, wd, K, V, BKC, BKC, DOT_PREC)
+        else:
+            _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, w)
     if STOP == 4:
         return
     for c0 in tl.range(u_lo, u_hi, BVC):
         v = _load_tile(v_base, HV * V, tmask, c0, V, BVC).to(ws_dtype)
-        _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(tu, v, input_precision=DOT_PREC))
+        u = tl.dot(tu, v, input_precision=DOT_PREC)
+        if MFORM:
+            ud = u.to(ws_dtype)
+            _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(aqk, ud, input_precision=DOT_PREC))
+            _store_kt_products(mk_base, K, c0, V, k_base, H * K, tmask, kt_scale, ud, K, V, BKC, BVC, DOT_PREC)
+        else:
+            _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, u)
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride"])  # one compile serves every length and head count
+@triton.jit
+def _store_kt_products(entry_ptr, coff, c0, D: tl.constexpr, k_base, k_stride, tmask, kt_scale, x, K: tl.constexpr,
+                       V: tl.constexpr, BKC: tl.constexpr, BX: tl.constexpr, DOT_PREC: tl.constexpr):
+    """``(diag(kt_scale) K)^T x`` for the ``[C, BX]`` column block ``x`` (workspace dtype) of columns ``c0 ..`` of a
+    ``D``-column matrix: K rows of an ``[M | KU]`` entry (rows ``K + V`` apart, this part from column ``coff``),
+    in row blocks of ``BKC`` (k re-read from L1)."""
+    cols = c0 + tl.arange(0, BX)
+    for r0 in tl.static_range(0, K, BKC):
+        kt = (_load_tile(k_base, k_stride, tmask, r0, K, BKC).to(tl.float32) * kt_scale[:, None]).to(x.dtype)
+        prod = tl.dot(tl.trans(kt), x, input_precision=DOT_PREC)
+        krows = r0 + tl.arange(0, BKC)
+        tl.store(entry_ptr + krows[:, None] * (K + V) + coff + cols[None, :], prod.to(entry_ptr.dtype.element_ty),
+                 mask=(krows < K)[:, None] & (cols < D)[None, :])
+
+
+@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride", "NC"])  # one compile serves every length and head count
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr,
     g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     bounds_ptr,
-    ws_ptr,
-    T, scale,
+    ws_ptr, mk_ptr,
+    T, scale, NC,
     H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr,
     BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
     EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
-    DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0,
+    DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0, MFORM: tl.constexpr = False,
 ):
     # STOP (timing only, never a default): 1-4 end the program after phase 1-4 (raw products and gating; scores and
     # A; the inverse; W), storing that phase's result where U / Aqk would go so the compiler keeps the work; the
@@ -407,7 +446,7 @@ def _chunk_prepare_kernel(
     if end > start:
         _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, ws_ptr, start, end,
                        hv, 0, V, T, scale, H, HV, gate_stride, K, V, BKC, BVC, C, RAW_GATING, USE_L2, DOT_PREC,
-                       EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP)
+                       EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP, mk_ptr, chunk, NC, MFORM)
 
 
 @triton.jit
@@ -497,6 +536,30 @@ def _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_s
 
 
 @triton.jit
+def _scan_chunk_mform(S, mk_ptr, w_ptr, u_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, chunk, T, HV, NC, vb,
+                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                      DOT_PREC: tl.constexpr):
+    """:func:`_scan_chunk` in the one-dot form the ``MFORM`` prepare leaves: ``O = Q' S + AU`` and
+    ``S <- e^{g_C} S + KU - M S`` (``Q'``, ``AU`` in W's and U's rows; ``[M | KU]`` entry ``chunk`` of ``NC``).
+    The state's path has one dot per chunk instead of two (``W S``, then ``K~^T V'``)."""
+    ws_dtype = w_ptr.dtype.element_ty
+    rows = tl.arange(0, C)
+    tmask = rows < seq_end - chunk_start
+    head_row = hv.to(tl.int64) * T + chunk_start
+    g_last = tl.load(gcum_ptr + head_row + tl.minimum(C, seq_end - chunk_start) - 1)
+    qp = _load_tile(w_ptr + head_row * K, K, tmask, 0, K, BK)
+    au = _load_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV).to(tl.float32)
+    entry = mk_ptr + (hv.to(tl.int64) * NC + chunk) * (K * (K + V))
+    kfull = tl.arange(0, BK) < K
+    m = _load_tile(entry, K + V, kfull, 0, K, BK)
+    ku = _load_tile(entry + K, K + V, kfull, vb * BV, V, BV).to(tl.float32)
+    Sd = S.to(ws_dtype)
+    _store_tile(o_ptr + (chunk_start * HV + hv) * V, HV * V, tmask, vb * BV, V, BV,
+                tl.dot(qp, Sd, input_precision=DOT_PREC) + au)
+    return S * tl.exp(g_last) + ku - tl.dot(m, Sd, input_precision=DOT_PREC)
+
+
+@triton.jit
 def _sequence_bounds(cu_ptr, n, T, VARLEN: tl.constexpr):
     """(first token, end token) of sequence ``n``, int64: from ``cu_seqlens`` or the whole batch."""
     if VARLEN:
@@ -508,16 +571,17 @@ def _sequence_bounds(cu_ptr, n, T, VARLEN: tl.constexpr):
     return start, end
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV", "NH"])
+@triton.jit(do_not_specialize=["T", "H", "HV", "NH", "NC"])
 def _chunk_scan_kernel(
-    q_ptr, k_ptr, ws_ptr, o_ptr,
+    q_ptr, k_ptr, ws_ptr, o_ptr, mk_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
-    T, pool_slot_stride,
+    T, pool_slot_stride, NC,
     H, HV, NH, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
-    HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr, MFORM: tl.constexpr = False,
 ):
+    # MFORM: the one-dot form (_scan_chunk_mform); one sequence only, whose chunks are entries 0 .. NC - 1.
     vb = tl.program_id(0)
     nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (sequence, head) pairs: see grid_rows
     if nh >= NH:
@@ -530,8 +594,12 @@ def _chunk_scan_kernel(
     S, slot = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV,
                              STATE_IN, POOL, HAS_INIT_FLAGS)
     for chunk_start in range(seq_start, seq_end, C):
-        S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T, H, HV,
-                        vb, K, V, BK, BV, C, DOT_PREC)
+        if MFORM:
+            S = _scan_chunk_mform(S, mk_ptr, w_ptr, u_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv,
+                                  (chunk_start - seq_start) // C, T, HV, NC, vb, K, V, BK, BV, C, DOT_PREC)
+        else:
+            S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T,
+                            H, HV, vb, K, V, BK, BV, C, DOT_PREC)
     _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV, STATE_OUT, POOL)
 
 
@@ -753,6 +821,7 @@ class _Plan(NamedTuple):
     scan_consts: tuple  # K, V, BK, BV, C
     scan_options: dict
     single_options: dict  # the single-launch kernel's: the prepare's without its register cap (few programs)
+    mform: bool = False  # the scan's one-dot form (scan_config {"MFORM": True}; one sequence; not yet measured)
 
     def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
@@ -779,8 +848,8 @@ class _Plan(NamedTuple):
                 raise ValueError(f"scan_config {scan_config}: bf16 scans need num_stages >= 2 or BV >= 64 on a GPU "
                                  "(Triton 3.6 builds a wrong kernel for narrower blocks in one stage)")
             K, V, BK, _, C = plan.scan_consts
-            plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C),
-                                 scan_options={k: v for k, v in scan_config.items() if k != "BV"})
+            plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C), mform=bool(scan_config.get("MFORM")),
+                                 scan_options={k: v for k, v in scan_config.items() if k not in ("BV", "MFORM")})
         return plan
 
 
@@ -906,19 +975,25 @@ def gdn_chunk_prefill(
                        plan.single_options)
         return o, final
 
+    mk = None
+    if plan.mform:  # [M | KU] per (head, chunk): the one-dot scan's state-path operands
+        if N != 1:
+            raise ValueError(f"scan_config MFORM takes one sequence per call, got {N}")
+        mk = torch.empty(HV, max(num_chunks, 1), K, K + V, dtype=plan.ws_dtype, device=dev)
+
     # Phase 1: everything that does not need the running state, all chunks in parallel.
     if num_chunks > 0 and T > 0:
-        _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV,
-                                             gate_stride,
+        _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, mk, T, scale,
+                                             max(num_chunks, 1), H, HV, gate_stride,
                                              *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
-                                             *plan.prepare_flags),
+                                             *plan.prepare_flags, plan.mform),
                         plan.prepare_options)
 
     # Phase 2: the sequential pass over chunks, state in registers, output and final state written.
     if N > 0:
         _launch_scan(plan.scan_grid(N, HV),
-                     (q, k, ws, o, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
-                      pool_slot_stride, H, HV, N * HV, *plan.scan_consts, varlen,
-                      h0 is not None, ht is not None, pool, has_initial_state is not None, plan.dot_prec),
+                     (q, k, ws, o, mk, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
+                      pool_slot_stride, max(num_chunks, 1), H, HV, N * HV, *plan.scan_consts, varlen,
+                      h0 is not None, ht is not None, pool, has_initial_state is not None, plan.dot_prec, plan.mform),
                      plan.scan_options)
     return o, final
