@@ -901,11 +901,13 @@ def gdn_chunk_prefill(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Triton implementation of :func:`qwen35.ops.gdn_chunk_prefill` (see the module docstring).
 
-    ``prepare_config`` (``num_warps``, ``num_stages``, optionally ``maxnreg``, and the kernel flags
-    ``DIAG_BY_PRODUCT``, ``LOWP_MERGE``, ``EXACT_PREC``) and ``scan_config`` (``BV``, ``num_warps``,
-    ``num_stages``) override the launch configs of the two phases; the benchmark times variants with them.
-    Host cost matters here (short prompts at TP4/TP8): one workspace allocation, cached configs, and
-    kernels launched through :class:`DirectLauncher`.
+    ``prepare_config`` (``num_warps``, ``num_stages`` (1 only), optionally ``maxnreg``, the column blocks
+    ``BKC`` / ``BVC``, and the kernel flags ``DIAG_BY_PRODUCT``, ``LOWP_MERGE``, ``EXACT_PREC``, ``DIAG_ROWS``,
+    ``STOP``) and ``scan_config`` (``BV``, ``num_warps``, ``num_stages``, and ``MFORM``: the one-dot state path
+    of ``_scan_chunk_mform``, one sequence per call, not yet measured on a GPU) override the launch configs of the
+    two phases; the benchmark times variants with them. Either one also turns off the single-launch path of
+    batches of at most ``CHUNK`` tokens. Host cost matters here (short prompts at TP4/TP8): one workspace
+    allocation, cached configs, and kernels launched through :class:`DirectLauncher`.
     """
     T, H, K = q.shape
     _, HV, V = v.shape
