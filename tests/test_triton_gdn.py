@@ -134,9 +134,9 @@ def test_scan_one_dot_form(dtype, K, V, varlen):
     writes those instead; see tuning/scan_precision.py): one sequence, initial and final state, vs the reference
     and the default form; more than one sequence is refused."""
     lens = [201]
-    d = _inputs(lens, 2, 4, K, V, dtype)
+    d = _inputs(lens, 1, 2, K, V, dtype)
     gen = torch.Generator().manual_seed(9)
-    h0 = (torch.randn(1, 4, K, V, generator=gen) * 0.1).to(DEV)
+    h0 = (torch.randn(1, 2, K, V, generator=gen) * 0.1).to(DEV)
     kw = dict(d, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
     if varlen:
         kw["cu_seqlens"] = cu_from_lens(lens, DEV)
@@ -152,6 +152,40 @@ def test_scan_one_dot_form(dtype, K, V, varlen):
     with pytest.raises(ValueError, match="one sequence"):
         kt.gdn_chunk_prefill(**d2, cu_seqlens=cu_from_lens([30, 40], DEV),
                              scan_config={"BV": 16, "num_warps": 4, "num_stages": 2, "MFORM": True})
+
+
+@pytest.mark.parametrize("state", ["tensor", "pool", "none"])
+@pytest.mark.parametrize("mform", [False, True])
+def test_scan_in_segments_gives_the_same_bits(state, mform):
+    """scan_config SEGMENTS (one sequence in parts, the state carried between them in fp32 memory; on a GPU the
+    prepare of a part overlaps the scan of the one before): the same bits as one pass, for an initial-state tensor,
+    a pool slot (with has_initial_state), and no state."""
+    lens, K, V = [200], 16, 32  # four chunks
+    d = _inputs(lens, 1, 2, K, V, torch.float32)
+    cu = cu_from_lens(lens, DEV)
+    gen = torch.Generator().manual_seed(11)
+    h0 = (torch.randn(1, 2, K, V, generator=gen) * 0.1).to(DEV)
+    pool = (torch.randn(3, 2, K, V, generator=gen) * 0.1).to(DEV)
+    base = {"BV": 16, "num_warps": 4, "num_stages": 2, "MFORM": mform}
+    results = []
+    for cfg in (base, {**base, "SEGMENTS": 3}, {**base, "SEGMENTS": 9}):  # 9: more parts than chunks
+        kw = dict(d, cu_seqlens=cu, use_qk_l2norm=True, scan_config=cfg)
+        if state == "tensor":
+            o, h = kt.gdn_chunk_prefill(**kw, initial_state=h0, output_final_state=True)
+        elif state == "pool":
+            p = pool.clone()
+            o, _ = kt.gdn_chunk_prefill(**kw, state_pool=p, state_slots=torch.tensor([1], dtype=torch.int32),
+                                        has_initial_state=torch.tensor([True]))
+            h = p
+        else:
+            o, h = kt.gdn_chunk_prefill(**kw, output_final_state=True)
+        results.append((o, h))
+    for o, h in results[1:]:
+        assert torch.equal(o, results[0][0]) and torch.equal(h, results[0][1])
+    if state == "pool":
+        assert torch.equal(results[0][1][[0, 2]], pool[[0, 2]]), "slots not named changed"
+    with pytest.raises(ValueError, match="SEGMENTS"):
+        kt.gdn_chunk_prefill(**d, scan_config={**base, "SEGMENTS": 0})
 
 
 def test_short_batches_take_one_launch(monkeypatch):

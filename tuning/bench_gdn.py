@@ -350,9 +350,11 @@ PREPARE_VARIANTS_H = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra}
     {"BKC": 32, "BVC": 32, "maxnreg": 160}, {"BKC": 32, "BVC": 32, "maxnreg": 184})]
 
 
-# Set m: the scan's one-dot form (scan_config MFORM; tuning/scan_precision.py) against the default, both kernels
-# timed together (the MFORM prepare does more: M, KU, Q', AU), at one long sequence where the scan dominates.
-# Written in session 7 after the device time ran out: not yet run.
+# Set m: the scan's one-dot form (scan_config MFORM; tuning/scan_precision.py) and a sequence in parts whose prepare
+# overlaps the scan of the part before (SEGMENTS), against the default; all kernels timed together (the MFORM
+# prepare does more: M, KU, Q', AU), at one long sequence where the scan dominates. The kernel sum does not show
+# the overlap: SEGMENTS rows also carry "wall_ms" (events around the call). Written in session 7 after the device
+# time ran out: not yet run.
 SWEEP_PREFILL_M = {
     "397B-TP8 1x32768": ("397B-TP8", [32768]),
     "27B-TP4 1x32768": ("27B-TP4", [32768]),
@@ -361,8 +363,11 @@ SWEEP_PREFILL_M = {
     "27B-TP4 1x8192": ("27B-TP4", [8192]),
 }
 BOTH_VARIANTS_M = [{"scan": None}] + [
-    {"scan": {"BV": bv, "num_warps": 4, "num_stages": 3, "MFORM": True}, "prepare": prep}
-    for bv in (16, 32, 64) for prep in (None, {"num_warps": 4, "num_stages": 1, "maxnreg": None})]  # cap 168, none
+    {"scan": {"BV": bv, "num_warps": 4, "num_stages": 3, **extra}, "prepare": None}
+    for bv in (16, 32, 64) for extra in ({}, {"MFORM": True}, {"SEGMENTS": 4}, {"SEGMENTS": 8},
+                                         {"MFORM": True, "SEGMENTS": 4})] + [
+    {"scan": {"BV": 16, "num_warps": 4, "num_stages": 3, "MFORM": True},
+     "prepare": {"num_warps": 4, "num_stages": 1, "maxnreg": None}}]  # the MFORM prepare uncapped
 
 
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
@@ -514,10 +519,13 @@ def _sweep_prefill(rows: list[dict], deadline: float, shapes: dict, variants: li
                 else:
                     kw = {f"{phase}_config": cfg}
                     name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
-                kernels = kernel_times_ms(_ours_prefill(d, meta, **kw), calls=3)
+                fn = _ours_prefill(d, meta, **kw)
+                kernels = kernel_times_ms(fn, calls=3)
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "kernel_ms": round(
                     sum(v for k, v in kernels.items() if k.startswith(name)), 4),
                     "kernels_ms": {k: round(v, 4) for k, v in kernels.items()}})
+                if phase == "both":  # with the profiler's CUPTI still attached unless TEARDOWN_CUPTI=1: compare rows
+                    rows[-1]["wall_ms"] = round(_bench.time_ms(fn), 4)
             except Exception as e:  # noqa: BLE001
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)

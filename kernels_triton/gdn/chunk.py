@@ -416,18 +416,18 @@ def _store_kt_products(entry_ptr, coff, c0, D: tl.constexpr, k_base, k_stride, t
                  mask=(krows < K)[:, None] & (cols < D)[None, :])
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride", "NC"])  # one compile serves every length and head count
+@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride", "NC", "chunk_base"])  # one compile for all sizes
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr,
     g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     bounds_ptr,
     ws_ptr, mk_ptr,
-    T, scale, NC,
+    T, scale, NC, chunk_base,
     H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr,
     BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
     EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
-    DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0, MFORM: tl.constexpr = False,
+    DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0, MFORM: tl.constexpr = False, PARTS: tl.constexpr = False,
 ):
     # STOP (timing only, never a default): 1-4 end the program after phase 1-4 (raw products and gating; scores and
     # A; the inverse; W), storing that phase's result where U / Aqk would go so the compiler keeps the work; the
@@ -436,6 +436,8 @@ def _chunk_prepare_kernel(
     # share their q / k rows through L2.
     pid = tl.program_id(0)
     chunk = pid // HV
+    if PARTS:  # SEGMENTS: this launch prepares the table rows from chunk_base on
+        chunk += chunk_base
     hv = pid % HV
     if VARLEN:
         start = tl.load(bounds_ptr + 2 * chunk)
@@ -571,17 +573,19 @@ def _sequence_bounds(cu_ptr, n, T, VARLEN: tl.constexpr):
     return start, end
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV", "NH", "NC"])
+@triton.jit(do_not_specialize=["T", "H", "HV", "NH", "NC", "tok_lo", "tok_hi"])
 def _chunk_scan_kernel(
     q_ptr, k_ptr, ws_ptr, o_ptr, mk_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
-    T, pool_slot_stride, NC,
+    T, pool_slot_stride, NC, tok_lo, tok_hi,
     H, HV, NH, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
-    HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr, MFORM: tl.constexpr = False,
+    HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr, MFORM: tl.constexpr = False, PARTS: tl.constexpr = False,
 ):
     # MFORM: the one-dot form (_scan_chunk_mform); one sequence only, whose chunks are entries 0 .. NC - 1.
+    # PARTS (SEGMENTS: a sequence in several launches, its state carried between them in h0 = ht): this launch scans
+    # the tokens tok_lo .. tok_hi of each sequence, as offsets from its start (multiples of C).
     vb = tl.program_id(0)
     nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (sequence, head) pairs: see grid_rows
     if nh >= NH:
@@ -593,12 +597,15 @@ def _chunk_scan_kernel(
     w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
     S, slot = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV,
                              STATE_IN, POOL, HAS_INIT_FLAGS)
-    for chunk_start in range(seq_start, seq_end, C):
+    part_start, part_end = seq_start, seq_end
+    if PARTS:
+        part_start, part_end = seq_start + tok_lo, tl.minimum(seq_start + tok_hi, seq_end)
+    for chunk_start in range(part_start, part_end, C):
         if MFORM:
-            S = _scan_chunk_mform(S, mk_ptr, w_ptr, u_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv,
+            S = _scan_chunk_mform(S, mk_ptr, w_ptr, u_ptr, gcum_ptr, o_ptr, chunk_start, part_end, hv,
                                   (chunk_start - seq_start) // C, T, HV, NC, vb, K, V, BK, BV, C, DOT_PREC)
         else:
-            S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T,
+            S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, part_end, hv, h, T,
                             H, HV, vb, K, V, BK, BV, C, DOT_PREC)
     _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV, STATE_OUT, POOL)
 
@@ -822,6 +829,7 @@ class _Plan(NamedTuple):
     scan_options: dict
     single_options: dict  # the single-launch kernel's: the prepare's without its register cap (few programs)
     mform: bool = False  # the scan's one-dot form (scan_config {"MFORM": True}; one sequence; not yet measured)
+    segments: int = 1  # scan_config {"SEGMENTS": n}: one sequence in n parts, prepare overlapping scan (not measured)
 
     def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
@@ -848,8 +856,12 @@ class _Plan(NamedTuple):
                 raise ValueError(f"scan_config {scan_config}: bf16 scans need num_stages >= 2 or BV >= 64 on a GPU "
                                  "(Triton 3.6 builds a wrong kernel for narrower blocks in one stage)")
             K, V, BK, _, C = plan.scan_consts
+            segments = scan_config.get("SEGMENTS", 1)
+            if not isinstance(segments, int) or segments < 1:
+                raise ValueError(f"scan_config SEGMENTS={segments!r}: accepted a positive int")
             plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C), mform=bool(scan_config.get("MFORM")),
-                                 scan_options={k: v for k, v in scan_config.items() if k not in ("BV", "MFORM")})
+                                 segments=segments, scan_options={k: v for k, v in scan_config.items()
+                                                                  if k not in ("BV", "MFORM", "SEGMENTS")})
         return plan
 
 
@@ -978,24 +990,83 @@ def gdn_chunk_prefill(
         return o, final
 
     mk = None
+    if (plan.mform or plan.segments > 1) and N != 1:
+        raise ValueError(f"scan_config MFORM / SEGMENTS take one sequence per call, got {N}")
     if plan.mform:  # [M | KU] per (head, chunk): the one-dot scan's state-path operands
-        if N != 1:
-            raise ValueError(f"scan_config MFORM takes one sequence per call, got {N}")
         mk = torch.empty(HV, max(num_chunks, 1), K, K + V, dtype=plan.ws_dtype, device=dev)
 
-    # Phase 1: everything that does not need the running state, all chunks in parallel.
-    if num_chunks > 0 and T > 0:
-        _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, mk, T, scale,
-                                             max(num_chunks, 1), H, HV, gate_stride,
-                                             *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
-                                             *plan.prepare_flags, plan.mform),
+    def prepare(chunk_lo: int, chunk_hi: int) -> None:  # phase 1: what needs no running state, chunks in parallel
+        _launch_prepare(((chunk_hi - chunk_lo) * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, mk, T,
+                                                        scale, max(num_chunks, 1), chunk_lo, H, HV, gate_stride,
+                                                        *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
+                                                        *plan.prepare_flags, plan.mform, chunk_lo > 0),
                         plan.prepare_options)
 
-    # Phase 2: the sequential pass over chunks, state in registers, output and final state written.
-    if N > 0:
+    def scan(tok_lo: int, tok_hi: int, h0, ht, slots, has_init, pool: bool) -> None:  # noqa: ANN001 - phase 2
         _launch_scan(plan.scan_grid(N, HV),
-                     (q, k, ws, o, mk, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
-                      pool_slot_stride, max(num_chunks, 1), H, HV, N * HV, *plan.scan_consts, varlen,
-                      h0 is not None, ht is not None, pool, has_initial_state is not None, plan.dot_prec, plan.mform),
+                     (q, k, ws, o, mk, cu_seqlens, h0, ht, slots, has_init, T, pool_slot_stride,
+                      max(num_chunks, 1), tok_lo, tok_hi, H, HV, N * HV, *plan.scan_consts, varlen, h0 is not None,
+                      ht is not None, pool, has_init is not None, plan.dot_prec, plan.mform,
+                      tok_lo > 0 or tok_hi < T),
                      plan.scan_options)
+
+    if plan.segments > 1 and num_chunks > 1 and T > 0:
+        final = _segmented(prepare, scan, plan.segments, num_chunks, dev, state_pool, state_slots, has_initial_state,
+                           initial_state, output_final_state, HV, K, V)
+        return o, final
+    if num_chunks > 0 and T > 0:
+        prepare(0, num_chunks)
+    if N > 0:
+        scan(0, T, h0, ht, state_slots, has_initial_state, pool)
     return o, final
+
+
+_side_streams: dict[int, torch.cuda.Stream] = {}
+
+
+def _segmented(prepare, scan, segments: int, num_chunks: int, dev: torch.device,  # noqa: ANN001
+               state_pool: torch.Tensor | None, state_slots: torch.Tensor | None,
+               has_initial_state: torch.Tensor | None, initial_state: torch.Tensor | None,
+               output_final_state: bool, HV: int, K: int, V: int) -> torch.Tensor | None:
+    """One sequence's two phases in ``segments`` parts of whole chunks: the prepare of every part on a side stream,
+    in order, each scan part on the caller's stream once its prepare is done, so the prepare of part i + 1 runs while
+    part i is scanned (few (sequence, head) pairs leave most of the GPU to it). The state goes from part to part
+    in one fp32 ``[1, HV, K, V]`` tensor; a pool slot is read into it first and written back last (no host
+    synchronisation). Returns the final state when ``output_final_state`` (and no pool)."""
+    cuts = sorted({round(i * num_chunks / segments) for i in range(segments + 1)})
+    if state_pool is not None:
+        idx = state_slots[:1].long()
+        use = idx >= 0
+        if has_initial_state is not None:
+            use = use & has_initial_state[:1].bool()
+        slot_state = state_pool.index_select(0, idx.clamp(min=0))
+        carry = torch.where(use.view(1, 1, 1, 1), slot_state, 0.0).to(state_pool.dtype)
+    elif initial_state is not None:
+        carry = initial_state[:1].clone()
+    else:
+        carry = torch.zeros(1, HV, K, V, dtype=torch.float32, device=dev)
+    parts = list(itertools.pairwise(cuts))
+    if dev.type == "cuda":
+        main = torch.cuda.current_stream(dev)
+        side = _side_streams.get(dev.index)
+        if side is None:
+            side = _side_streams[dev.index] = torch.cuda.Stream(dev)
+        side.wait_stream(main)
+        done = []
+        with torch.cuda.stream(side):
+            for lo, hi in parts:
+                prepare(lo, hi)
+                done.append(side.record_event())
+        for (lo, hi), event in zip(parts, done, strict=True):
+            main.wait_event(event)
+            scan(lo * CHUNK, hi * CHUNK, carry, carry, None, None, False)
+    else:  # the interpreter: in turn
+        for lo, hi in parts:
+            prepare(lo, hi)
+            scan(lo * CHUNK, hi * CHUNK, carry, carry, None, None, False)
+    if state_pool is not None:
+        keep = (idx < 0).view(1, 1, 1, 1)
+        state_pool.index_copy_(0, idx.clamp(min=0), torch.where(keep, state_pool.index_select(0, idx.clamp(min=0)),
+                                                                carry))
+        return None
+    return carry if output_final_state else None

@@ -174,6 +174,39 @@ def test_prefill_one_dot_scan_form(dtype, keys):
     assert_close(ht, rht, TOL[dtype], f"final state {dtype} {keys}")
 
 
+@pytest.mark.parametrize("mform", [False, True])
+def test_prefill_in_segments_same_bits_eager_and_graph(mform):
+    """scan_config SEGMENTS (the prepare of part i + 1 on a side stream while part i is scanned): the same bits as
+    one pass, eagerly and replayed from a CUDA graph (the side stream forks from and joins the captured one)."""
+    lens, H, HV, K, V = [20000], 2, 8, 128, 128
+    d = _gdn_inputs(sum(lens), H, HV, K, V, torch.bfloat16, seed=39)
+    cu = cu_from_lens(lens, DEV)
+    pool = _rand(torch.Generator(device=DEV).manual_seed(40), 3, HV, K, V, scale=0.1)
+    slots = torch.tensor([2], dtype=torch.int32, device=DEV)
+    base = {"BV": 16, "num_warps": 4, "num_stages": 3, "MFORM": mform}
+
+    def run(cfg, p):
+        return kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, use_qk_l2norm=True,
+                                    scan_config=cfg)[0]
+
+    want_pool = pool.clone()
+    want = run(base, want_pool)
+    got_pool = pool.clone()
+    got = run({**base, "SEGMENTS": 4}, got_pool)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want) and torch.equal(got_pool, want_pool)
+    graph_pool = pool.clone()
+    run({**base, "SEGMENTS": 4}, graph_pool.clone())  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run({**base, "SEGMENTS": 4}, graph_pool)
+    graph_pool.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and torch.equal(graph_pool, want_pool)
+
+
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("bv", [16, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
