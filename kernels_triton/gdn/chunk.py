@@ -1042,7 +1042,7 @@ def _segmented(prepare, scan, segments: int, num_chunks: int, dev: torch.device,
         slot_state = state_pool.index_select(0, idx.clamp(min=0))
         carry = torch.where(use.view(1, 1, 1, 1), slot_state, 0.0).to(state_pool.dtype)
     elif initial_state is not None:
-        carry = initial_state[:1].clone()
+        carry = initial_state[:1].to(torch.float32, copy=True)  # the final state is fp32, as from one pass
     else:
         carry = torch.zeros(1, HV, K, V, dtype=torch.float32, device=dev)
     parts = list(itertools.pairwise(cuts))
