@@ -370,19 +370,16 @@ BOTH_VARIANTS_M = [{"scan": None}] + [
      "prepare": {"num_warps": 4, "num_stages": 1, "maxnreg": None}}]  # the MFORM prepare uncapped
 
 
+# Sets that sweep one phase: set -> (phase, its variants).
+ONE_PHASE_SETS = {"c": ("prepare", PREPARE_VARIANTS_C), "d": ("decode", DECODE_VARIANTS_D),
+                  "e": ("scan", SCAN_VARIANTS_E), "f": ("prepare", PREPARE_VARIANTS_F),
+                  "h": ("prepare", PREPARE_VARIANTS_H), "m": ("both", BOTH_VARIANTS_M)}
+
+
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
-    if sweep_set == "m":
-        return [("both", c) for c in BOTH_VARIANTS_M]
-    if sweep_set == "h":
-        return [("prepare", c) for c in PREPARE_VARIANTS_H]
-    if sweep_set == "f":
-        return [("prepare", c) for c in PREPARE_VARIANTS_F]
-    if sweep_set == "e":
-        return [("scan", c) for c in SCAN_VARIANTS_E]
-    if sweep_set == "d":
-        return [("decode", c) for c in DECODE_VARIANTS_D]
-    if sweep_set == "c":
-        return [("prepare", c) for c in PREPARE_VARIANTS_C]
+    if sweep_set in ONE_PHASE_SETS:
+        phase, variants = ONE_PHASE_SETS[sweep_set]
+        return [(phase, c) for c in variants]
     if sweep_set == "b":
         return ([("prepare", c) for c in PREPARE_VARIANTS_B] + [("scan", c) for c in SCAN_VARIANTS]
                 + [("decode", {"BV": 16, "num_warps": 1}), ("decode", {"BV": 64, "num_warps": 4})])
@@ -475,18 +472,13 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     if args.sweep_set == "d":
         sweep_decode(rows, deadline, DECODE_SWEEP_D, DECODE_VARIANTS_D, save)
         return
-    if args.sweep_set == "e":
-        _sweep_prefill(rows, deadline, SWEEP_PREFILL_E, [("scan", c) for c in SCAN_VARIANTS_E], save)
-        return
-    if args.sweep_set == "m":
-        _sweep_prefill(rows, deadline, SWEEP_PREFILL_M, all_variants("m"), save)
-        return
-    if args.sweep_set in ("f", "h"):
-        variants = PREPARE_VARIANTS_F if args.sweep_set == "f" else PREPARE_VARIANTS_H
-        _sweep_prefill(rows, deadline, SWEEP_PREFILL_F, [("prepare", c) for c in variants], save)
-        accuracy = [c for c in variants if "STOP" not in c and c.get("maxnreg") == 168]
-        prepare_variant_errors(rows, save, accuracy)
-        prepare_variant_errors(rows, save, accuracy, hard=True)
+    shapes = {"e": SWEEP_PREFILL_E, "f": SWEEP_PREFILL_F, "h": SWEEP_PREFILL_F, "m": SWEEP_PREFILL_M}
+    if args.sweep_set in shapes:
+        _sweep_prefill(rows, deadline, shapes[args.sweep_set], all_variants(args.sweep_set), save)
+        if args.sweep_set in ("f", "h"):  # prepare variants: their accuracy too
+            accuracy = [c for _, c in all_variants(args.sweep_set) if "STOP" not in c and c.get("maxnreg") == 168]
+            prepare_variant_errors(rows, save, accuracy)
+            prepare_variant_errors(rows, save, accuracy, hard=True)
         return
 
     for label, shape in SWEEP_PREFILL.items():
