@@ -107,6 +107,51 @@ def test_prefill_diagonal_inverse_variants(variant):
     assert_close(ht, rht, TOL[torch.float32], "final state")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lens,varlen", [([5, 70, 0, 1, 130], True), ([200], True), ([150], False)],
+                         ids=["ragged", "one_seq", "no_cu_seqlens"])
+def test_split_output_gives_the_same_bits(lens, varlen, dtype):
+    """scan_config SPLIT (the scan walks the state path alone and leaves chunk states and V'; a second launch computes
+    every chunk's output in parallel): the same output and pool bits as the one-pass scan, and the reference's
+    values; ragged batches with empty and one-token sequences, chunk-table rows of several sequences, padding
+    slots, no cu_seqlens."""
+    H, HV, K, V = 2, 4, 32, 32
+    N = len(lens)
+    d = _inputs(lens, H, HV, K, V, dtype, seed=9)
+    cu = cu_from_lens(lens, DEV) if varlen else None
+    pool = (torch.randn(N + 2, HV, K, V, generator=torch.Generator().manual_seed(10)) * 0.1).to(DEV)
+    slots = torch.tensor([N + 1 - i if i % 3 != 1 else -1 for i in range(N)], dtype=torch.int32, device=DEV)
+    got = {}
+    for split in (False, True):
+        p = pool.clone()
+        cfg = {"BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": split}
+        if varlen:
+            o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, use_qk_l2norm=True,
+                                        scan_config=cfg)
+        else:
+            o, ht = kt.gdn_chunk_prefill(**d, initial_state=pool[:1], output_final_state=True, use_qk_l2norm=True,
+                                         scan_config=cfg)
+            p[0] = ht[0]
+        got[split] = o, p
+    assert torch.equal(got[True][0], got[False][0]), "output differs from the one-pass scan's"
+    assert torch.equal(got[True][1], got[False][1]), "states differ from the one-pass scan's"
+    d64 = _to64({k: v.cpu() for k, v in d.items()})
+    if varlen:
+        ref_pool = pool.double().cpu()
+        ro, _ = ref.gdn_chunk_prefill(**d64, cu_seqlens=cu.cpu(), state_pool=ref_pool, state_slots=slots.cpu(),
+                                      use_qk_l2norm=True)
+    else:
+        ref_pool = pool.double().cpu()
+        ro, rht = ref.gdn_chunk_prefill(**d64, initial_state=ref_pool[:1], output_final_state=True,
+                                        use_qk_l2norm=True)
+        ref_pool[0] = rht[0]
+    assert_close(got[True][0], ro, TOL[dtype], "output")
+    assert_close(got[True][1], ref_pool, TOL[dtype], "states")
+    with pytest.raises(ValueError, match="SPLIT"):
+        kt.gdn_chunk_prefill(**d, cu_seqlens=cu, scan_config={"BV": 16, "num_warps": 4, "num_stages": 2,
+                                                              "SPLIT": 1})
+
+
 @pytest.mark.parametrize("K,V,H,HV", [(96, 96, 1, 3), (64, 64, 2, 4), (128, 128, 1, 1)])
 def test_prefill_column_blocks_and_groups(K, V, H, HV):
     """Head dims that take the 64-column block loops of the prepare kernel once, twice with a ragged
@@ -125,68 +170,6 @@ def test_prefill_column_blocks_and_groups(K, V, H, HV):
     assert_close(ours_pool, ref_pool, TOL[torch.float32], "pool")
     for s in (1, 3, 5):
         assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("K,V,varlen", [(32, 32, False), (64, 32, True), (16, 48, True)])
-def test_scan_one_dot_form(dtype, K, V, varlen):
-    """scan_config MFORM (the state path in one dot: S <- e S + KU - M S, O = Q' S + AU, from a prepare that
-    writes those instead; see tuning/scan_precision.py): one sequence, initial and final state, vs the reference
-    and the default form; more than one sequence is refused."""
-    lens = [201]
-    d = _inputs(lens, 1, 2, K, V, dtype)
-    gen = torch.Generator().manual_seed(9)
-    h0 = (torch.randn(1, 2, K, V, generator=gen) * 0.1).to(DEV)
-    kw = dict(d, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
-    if varlen:
-        kw["cu_seqlens"] = cu_from_lens(lens, DEV)
-    bv = min(16, V)
-    o, h = kt.gdn_chunk_prefill(**kw, scan_config={"BV": bv, "num_warps": 4, "num_stages": 2, "MFORM": True})
-    o_def, h_def = kt.gdn_chunk_prefill(**kw, scan_config={"BV": bv, "num_warps": 4, "num_stages": 2})
-    ro, rh = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in kw.items() if isinstance(v, torch.Tensor)}),
-                                   output_final_state=True, use_qk_l2norm=True)
-    assert_close(o, ro, TOL[dtype], "output, one-dot form")
-    assert_close(h, rh, TOL[dtype], "final state, one-dot form")
-    assert_close(o, o_def, TOL[dtype], "output, one-dot vs default form")
-    d2 = _inputs([30, 40], 1, 1, 16, 16, torch.float32)
-    with pytest.raises(ValueError, match="one sequence"):
-        kt.gdn_chunk_prefill(**d2, cu_seqlens=cu_from_lens([30, 40], DEV),
-                             scan_config={"BV": 16, "num_warps": 4, "num_stages": 2, "MFORM": True})
-
-
-@pytest.mark.parametrize("state", ["tensor", "pool", "none"])
-@pytest.mark.parametrize("mform", [False, True])
-def test_scan_in_segments_gives_the_same_bits(state, mform):
-    """scan_config SEGMENTS (one sequence in parts, the state carried between them in fp32 memory; on a GPU the
-    prepare of a part overlaps the scan of the one before): the same bits as one pass, for an initial-state tensor,
-    a pool slot (with has_initial_state), and no state."""
-    lens, K, V = [200], 16, 32  # four chunks
-    d = _inputs(lens, 1, 2, K, V, torch.float32)
-    cu = cu_from_lens(lens, DEV)
-    gen = torch.Generator().manual_seed(11)
-    h0 = (torch.randn(1, 2, K, V, generator=gen) * 0.1).to(DEV)
-    pool = (torch.randn(3, 2, K, V, generator=gen) * 0.1).to(DEV)
-    base = {"BV": 16, "num_warps": 4, "num_stages": 2, "MFORM": mform}
-    results = []
-    for cfg in (base, {**base, "SEGMENTS": 3}, {**base, "SEGMENTS": 9}):  # 9: more parts than chunks
-        kw = dict(d, cu_seqlens=cu, use_qk_l2norm=True, scan_config=cfg)
-        if state == "tensor":  # fp64 accepted; the final state is fp32 either way
-            o, h = kt.gdn_chunk_prefill(**kw, initial_state=h0.double(), output_final_state=True)
-            assert h.dtype == torch.float32
-        elif state == "pool":
-            p = pool.clone()
-            o, _ = kt.gdn_chunk_prefill(**kw, state_pool=p, state_slots=torch.tensor([1], dtype=torch.int32),
-                                        has_initial_state=torch.tensor([True]))
-            h = p
-        else:
-            o, h = kt.gdn_chunk_prefill(**kw, output_final_state=True)
-        results.append((o, h))
-    for o, h in results[1:]:
-        assert torch.equal(o, results[0][0]) and torch.equal(h, results[0][1])
-    if state == "pool":
-        assert torch.equal(results[0][1][[0, 2]], pool[[0, 2]]), "slots not named changed"
-    with pytest.raises(ValueError, match="SEGMENTS"):
-        kt.gdn_chunk_prefill(**d, scan_config={**base, "SEGMENTS": 0})
 
 
 def test_short_batches_take_one_launch(monkeypatch):
@@ -481,12 +464,13 @@ def test_scan_stages_fit_shared_memory(monkeypatch, smem, dtype, K, stages):
     assert cfg == {"BV": 64, "num_warps": 4, "num_stages": stages}
 
 
-@pytest.mark.parametrize("pairs,sms,bv", [(8, 132, 16), (12, 132, 16), (16, 132, 32), (31, 132, 32), (32, 132, 32),
+@pytest.mark.parametrize("pairs,sms,bv", [(8, 132, 16), (12, 132, 16), (16, 132, 16), (31, 132, 32), (32, 132, 32),
                                           (33, 132, 64), (48, 132, 64), (256, 132, 64), (32, 108, 64),
                                           (24, 80, 64)])
 def test_scan_v_blocks_follow_the_sm_count(monkeypatch, pairs, sms, bv):
-    """(sequence, head) pairs -> V block of the scan: 16 below 16 pairs; above, 64-wide blocks once they make at
-    least half as many programs as there are SMs, else 32 (H200 set e: 32 pairs on 132 SMs take 32-wide blocks)."""
+    """(sequence, head) pairs -> V block of the scan: 16 up to 16 pairs (the split scan); above, 64-wide blocks once
+    they make at least half as many programs as there are SMs, else 32 (H200 set e: 32 pairs on 132 SMs take 32-wide
+    blocks)."""
     from kernels_triton.gdn import chunk
 
     monkeypatch.setattr(chunk, "device_facts", lambda device: ("test-gpu", sms, (9, 0)))
@@ -497,6 +481,34 @@ def test_scan_v_blocks_follow_the_sm_count(monkeypatch, pairs, sms, bv):
     finally:
         chunk._scan_config.cache_clear()
     assert cfg["BV"] == bv
+
+
+@pytest.mark.parametrize("smem,stages", [(232448, {torch.bfloat16: 4, torch.float16: 3, torch.float32: 3}),
+                                         (166912, {torch.bfloat16: 4, torch.float16: 3, torch.float32: 2}),
+                                         (101376, {torch.bfloat16: 2, torch.float16: 1, torch.float32: 1})])
+def test_scan_splits_off_the_output_at_few_pairs(monkeypatch, smem, stages):
+    """Up to 16 (sequence, head) pairs, sequences of >= 1024 tokens and V >= 64: the split scan (state path alone,
+    output in a parallel launch; H200 session 8), BV 16, as many stages as the device's shared memory holds (sm_90
+    builds: bf16 108 / 143 KB at 3 / 4 stages, fp16 144 KB at 3, fp32 214 KB at 3); otherwise the one-pass scan."""
+    from kernels_triton.gdn import chunk
+
+    monkeypatch.setattr(chunk, "device_facts", lambda device: ("test-gpu", 132, (9, 0)))
+    monkeypatch.setattr(chunk, "_shared_memory_per_block", lambda device: smem)
+    chunk._scan_config.cache_clear()
+    dev = torch.device("cuda", 0)
+    try:
+        for dtype, st in stages.items():
+            for N, HV in ((1, 8), (1, 12), (2, 8), (4, 4)):
+                cfg = chunk._scan_config(dev, N, HV, 128, 128, 32768, dtype)
+                assert cfg == {"BV": 16, "num_warps": 4, "num_stages": st, "SPLIT": True}, (dtype, N, HV)
+            for args in ((1, 32, 128, 128, 32768), (3, 8, 128, 128, 8192), (1, 8, 128, 128, 512),
+                         (1, 8, 128, 32, 8192)):
+                assert "SPLIT" not in chunk._scan_config(dev, *args, dtype), (dtype, args)
+        plan = chunk._plan(dev, torch.bfloat16, 1, 8, 128, 128, 32768)
+        assert plan.split and plan.scan_consts[3] == 16 and "SPLIT" not in plan.scan_options
+    finally:
+        chunk._scan_config.cache_clear()
+        chunk._plan.cache_clear()
 
 
 @pytest.mark.parametrize("smem", [101376, 166912, 232448])
@@ -515,7 +527,7 @@ def test_scan_heuristic_avoids_the_miscompiled_configs(monkeypatch, smem, pairs,
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             cfg = chunk._scan_config(torch.device("cuda", 0), 1, pairs, 128, V, 8192, dtype)
             assert not chunk._miscompiled_scan(dtype, cfg["BV"], cfg["num_stages"]), (dtype, cfg)
-            if dtype == torch.bfloat16 and smem < 145_000 and V >= 64:
+            if dtype == torch.bfloat16 and smem < 145_000 and V >= 64 and pairs > 16:
                 assert cfg == {"BV": 64, "num_warps": 4, "num_stages": 1}
     finally:
         chunk._scan_config.cache_clear()
@@ -570,26 +582,28 @@ def sm90(kernel, consts, dtypes, warps=4, stages=2):
     triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
 
 act = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "o_ptr", "ws_ptr", "x_ptr", "y_ptr",
-                            "z_ptr", "w_ptr", "bias_ptr", "res_ptr", "s_ptr", "pool_ptr", "mk_ptr")}
+                            "z_ptr", "w_ptr", "bias_ptr", "res_ptr", "s_ptr", "pool_ptr")}
 act.update({n: "*fp32" for n in ("A_log_ptr", "dt_bias_ptr", "gcum_ptr", "h0_ptr", "ht_ptr")}, has_init_ptr="*i1")
 dims = dict(K=128, V=128, C=64)
-for by_product, diag_rows, mform in ((False, 16, False), (True, 16, False), (False, 4, False), (False, 4, True)):
+for by_product, diag_rows in ((False, 16), (True, 16), (False, 4)):
     sm90(chunk._chunk_prepare_kernel, dict(dims, BKC=64, BVC=64, VARLEN=True, RAW_GATING=True, USE_L2=True,
                                            DOT_PREC="tf32", EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=by_product,
-                                           LOWP_MERGE=False, DIAG_ROWS=diag_rows, g_ptr=None, beta_ptr=None,
-                                           STOP=0, MFORM=mform),
+                                           LOWP_MERGE=False, DIAG_ROWS=diag_rows, g_ptr=None, beta_ptr=None),
          act, stages=1)
-for bv, stages, mform in ((64, 3, False), (16, 3, False), (16, 3, True)):
+for bv, stages, split in ((64, 3, False), (16, 3, False), (16, 4, True)):
     sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
-                                        HAS_INIT_FLAGS=True, DOT_PREC="tf32", MFORM=mform), act, stages=stages)
+                                        HAS_INIT_FLAGS=True, DOT_PREC="tf32", SPLIT=split),
+         dict(act, st_ptr="*bf16"), stages=stages)
+sm90(chunk._chunk_output_kernel, dict(dims, BK=128, BV=64, VARLEN=True, DOT_PREC="tf32"), dict(act, st_ptr="*bf16"),
+     stages=1)
 sm90(chunk._chunk_single_kernel, dict(dims, BKC=64, BVC=64, BK=128, BV=64, VARLEN=True, RAW_GATING=True, USE_L2=True,
                                       STATE_IN=True, STATE_OUT=True, POOL=True, HAS_INIT_FLAGS=True, DOT_PREC="tf32",
                                       EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=False, LOWP_MERGE=False, DIAG_ROWS=4,
                                       STOP=0, g_ptr=None, beta_ptr=None), act, stages=1)
 fp16 = dict(act, q_ptr="*fp16", k_ptr="*fp16", o_ptr="*fp16", ws_ptr="*fp32")
 sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=32, VARLEN=False, STATE_IN=False, STATE_OUT=True, POOL=False,
-                                    HAS_INIT_FLAGS=False, DOT_PREC="tf32", cu_ptr=None, h0_ptr=None,
-                                    slots_ptr=None, has_init_ptr=None, MFORM=False, mk_ptr=None), fp16)
+                                    HAS_INIT_FLAGS=False, DOT_PREC="tf32", SPLIT=False, cu_ptr=None, h0_ptr=None,
+                                    slots_ptr=None, has_init_ptr=None, st_ptr=None), fp16)
 for stream in (False, True):
     sm90(recurrent._recurrent_step_kernel, dict(T=2, K=128, V=128, BK=128, BV=64, RAW_GATING=True, USE_L2=True,
                                                 g_ptr=None, beta_ptr=None, STREAM=stream),

@@ -350,30 +350,37 @@ PREPARE_VARIANTS_H = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra}
     {"BKC": 32, "BVC": 32, "maxnreg": 160}, {"BKC": 32, "BVC": 32, "maxnreg": 184})]
 
 
-# Set m: the scan's one-dot form (scan_config MFORM; tuning/scan_precision.py) and a sequence in parts whose prepare
-# overlaps the scan of the part before (SEGMENTS), against the default; all kernels timed together (the MFORM
-# prepare does more: M, KU, Q', AU), at one long sequence where the scan dominates. The kernel sum does not show
-# the overlap: SEGMENTS rows also carry "wall_ms" (events around the call). Written in session 7 after the device
-# time ran out: not yet run.
+# Set m. Session 7's one-dot scan form and prepare/scan overlap were measured in session 8 and removed (slower / no
+# gain: gdn_sweep_s8m_nvidia_h200.json). The scan's state path alone (no q / Aqk loads, no output dots or stores)
+# took half the scan's time on every shape (gdn_sweep_s8o_nvidia_h200.json: 397B-TP8 1x32768 0.72 -> 0.36 ms), so
+# now: scan_config SPLIT (the scan leaves chunk states and V', a parallel launch computes the output) against the
+# default, every kernel timed together and the call's wall time, from few (sequence, head) pairs to many.
 SWEEP_PREFILL_M = {
     "397B-TP8 1x32768": ("397B-TP8", [32768]),
     "27B-TP4 1x32768": ("27B-TP4", [32768]),
+    "397B-TP8 1x8192": ("397B-TP8", [8192]),
+    "27B-TP4 1x8192": ("27B-TP4", [8192]),
+    "397B-TP8 1x2048": ("397B-TP8", [2048]),
+    "397B-TP8 2x8192": ("397B-TP8", [8192] * 2),
     "35B-A3B-TP1 1x32768": ("35B-A3B-TP1", [32768]),
     "27B-TP1 1x32768": ("27B-TP1", [32768]),
-    "27B-TP4 1x8192": ("27B-TP4", [8192]),
 }
-BOTH_VARIANTS_M = [{"scan": None}] + [
-    {"scan": {"BV": bv, "num_warps": 4, "num_stages": 3, **extra}, "prepare": None}
-    for bv in (16, 32, 64) for extra in ({}, {"MFORM": True}, {"SEGMENTS": 4}, {"SEGMENTS": 8},
-                                         {"MFORM": True, "SEGMENTS": 4})] + [
-    {"scan": {"BV": 16, "num_warps": 4, "num_stages": 3, "MFORM": True},
-     "prepare": {"num_warps": 4, "num_stages": 1, "maxnreg": None}}]  # the MFORM prepare uncapped
+BOTH_VARIANTS_M = [{"scan": None}] + [{"scan": {"BV": bv, "num_warps": 4, "num_stages": st, "SPLIT": True}}
+                                      for bv in (16, 32, 64) for st in (3, 4)]
+
+
+# Set n: set m's variants at four shapes, for a run with DISABLE_MMA_V3=1 (Triton then builds dots from
+# register-operand mma.sync instead of warpgroup wgmma; a separate TRITON_CACHE_DIR) against one without: whether
+# the scan's short dependent dots (N = 16 columns) wait less that way.
+SWEEP_PREFILL_N = {k: SWEEP_PREFILL_M[k] for k in ("397B-TP8 1x32768", "27B-TP4 1x32768", "35B-A3B-TP1 1x32768")}
+SWEEP_PREFILL_N["27B-TP1 8x4096"] = ("27B-TP1", [4096] * 8)
 
 
 # Sets that sweep one phase: set -> (phase, its variants).
 ONE_PHASE_SETS = {"c": ("prepare", PREPARE_VARIANTS_C), "d": ("decode", DECODE_VARIANTS_D),
                   "e": ("scan", SCAN_VARIANTS_E), "f": ("prepare", PREPARE_VARIANTS_F),
-                  "h": ("prepare", PREPARE_VARIANTS_H), "m": ("both", BOTH_VARIANTS_M)}
+                  "h": ("prepare", PREPARE_VARIANTS_H), "m": ("both", BOTH_VARIANTS_M),
+                  "n": ("both", BOTH_VARIANTS_M)}
 
 
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
@@ -403,7 +410,7 @@ def warm(index: int, sweep_set: str = "a") -> None:
     phase, cfg = all_variants(sweep_set)[index]
     if phase == "decode":
         _decode_fn(_decode_inputs(2, 2, 8), cfg)()
-    elif phase == "both":  # one sequence: the one-dot scan form takes no more
+    elif phase == "both":  # one sequence
         d = _prefill_inputs([128], 2, 8)
         _ours_prefill(d, kt.prepare_gdn_metadata(d["cu"]),
                       **{f"{part}_config": c for part, c in cfg.items() if c is not None})()
@@ -472,7 +479,8 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     if args.sweep_set == "d":
         sweep_decode(rows, deadline, DECODE_SWEEP_D, DECODE_VARIANTS_D, save)
         return
-    shapes = {"e": SWEEP_PREFILL_E, "f": SWEEP_PREFILL_F, "h": SWEEP_PREFILL_F, "m": SWEEP_PREFILL_M}
+    shapes = {"e": SWEEP_PREFILL_E, "f": SWEEP_PREFILL_F, "h": SWEEP_PREFILL_F, "m": SWEEP_PREFILL_M,
+              "n": SWEEP_PREFILL_N}
     if args.sweep_set in shapes:
         _sweep_prefill(rows, deadline, shapes[args.sweep_set], all_variants(args.sweep_set), save)
         if args.sweep_set in ("f", "h"):  # prepare variants: their accuracy too
@@ -511,13 +519,10 @@ def _sweep_prefill(rows: list[dict], deadline: float, shapes: dict, variants: li
                 else:
                     kw = {f"{phase}_config": cfg}
                     name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
-                fn = _ours_prefill(d, meta, **kw)
-                kernels = kernel_times_ms(fn, calls=3)
+                kernels = kernel_times_ms(_ours_prefill(d, meta, **kw), calls=3)
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "kernel_ms": round(
                     sum(v for k, v in kernels.items() if k.startswith(name)), 4),
                     "kernels_ms": {k: round(v, 4) for k, v in kernels.items()}})
-                if phase == "both":  # with the profiler's CUPTI still attached unless TEARDOWN_CUPTI=1: compare rows
-                    rows[-1]["wall_ms"] = round(_bench.time_ms(fn), 4)
             except Exception as e:  # noqa: BLE001
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)
@@ -587,11 +592,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
-    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h", "m"),
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h", "m", "n"),
                         help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
                              "d: decode blocks with and without streaming cache hints; e: scan V blocks at 35B; "
                              "f: prepare time by phase (truncations) and variants of its default; "
-                             "h: its column blocks; m: the scan's one-dot form")
+                             "h: its column blocks; m: the output split from the scan; "
+                             "n: set m at four shapes (for DISABLE_MMA_V3 runs)")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")

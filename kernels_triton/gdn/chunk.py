@@ -15,6 +15,10 @@ The WY/UT chunk form of :mod:`qwen35.reference.gdn` is split where its dependenc
    The state never leaves the chip between chunks (no per-chunk state tensor, no V' tensor),
    and the output is produced in the same pass. Columns of S are independent, so splitting V
    into blocks keeps the GPU busy when there are few heads (TP4/TP8) or one long sequence.
+   With at most 16 (sequence, head) pairs the scan is latency-bound and its output dots take half
+   its time, so it walks the state path alone ("split"), leaving each chunk's starting state and V',
+   and ``_chunk_output_kernel`` computes the output of all chunks in parallel (H200: 397B-TP8
+   1x32768 0.95 -> 0.79 ms).
 
 A batch of at most ``CHUNK`` tokens (every sequence within one chunk: short prompts, where the host's launch
 cost dominates) runs both phases in one launch instead, ``_chunk_single_kernel``: one program per (sequence,
@@ -301,13 +305,10 @@ def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr
                    u_lo, u_hi, T, scale, H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr, BKC: tl.constexpr,
                    BVC: tl.constexpr, C: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
                    DOT_PREC: tl.constexpr, EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr,
-                   LOWP_MERGE: tl.constexpr, DIAG_ROWS: tl.constexpr, STOP: tl.constexpr, mk_ptr=None,
-                   chunk=0, NC=1, MFORM: tl.constexpr = False):
+                   LOWP_MERGE: tl.constexpr, DIAG_ROWS: tl.constexpr, STOP: tl.constexpr):
     """Phase 1 for the non-empty chunk ``[start, end)`` (at most C tokens) of value head ``hv``: its workspace rows
     (W, U, Aqk, g and the row scales; see the module docstring), U only in columns ``u_lo .. u_hi``. STOP: see
-    ``_chunk_prepare_kernel``. ``MFORM``: the rows the one-dot scan reads instead (see ``_scan_chunk_mform``):
-    ``Q' = Q~ - Aqk W`` in W's rows, ``AU = Aqk U`` in U's, and ``[M | KU] = K~^T [W | U]`` (``K~``: the chunk's
-    k rows times ``e^{g_C - g} / |k|``) as the K rows of ``mk_ptr``'s entry ``chunk`` of ``NC`` for this head."""
+    ``_chunk_prepare_kernel``."""
     h = hv // (HV // H)
     rows = tl.arange(0, C)
     t = (start + rows).to(tl.int64)
@@ -370,74 +371,21 @@ def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr
     # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V, in column blocks (k, v re-read from L1/L2).
     tw = (Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype)
     tu = (Tinv * beta[None, :]).to(ws_dtype)
-    aqk, kt_scale, mk_base = tw, rk, ws_ptr  # the loops below name these in a branch only MFORM keeps
-    if MFORM:
-        tl.debug_barrier()  # Aqk, stored above by all threads, is read back whole below
-        aqk = _load_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C)
-        g_last = tl.sum(tl.where(rows == end - start - 1, g, 0.0), axis=0)
-        kt_scale = tl.where(tmask, rk * tl.exp(g_last - g), 0.0)  # K~ = diag(kt_scale) K
-        mk_base = mk_ptr + (hv.to(tl.int64) * NC + chunk) * (K * (K + V))
     for c0 in tl.range(0, K, BKC):
         k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
-        w = tl.dot(tw, k, input_precision=DOT_PREC)
-        if MFORM:
-            q = _load_tile(q_base, H * K, tmask, c0, K, BKC).to(tl.float32)
-            wd = w.to(ws_dtype)
-            _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC,
-                        q * (rq * tl.exp(g))[:, None] - tl.dot(aqk, wd, input_precision=DOT_PREC))
-            _store_kt_products(mk_base, 0, c0, K, k_base, H * K, tmask, kt_scale, wd, K, V, BKC, BKC, DOT_PREC)
-        else:
-            _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, w)
+        _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tw, k, input_precision=DOT_PREC))
     if STOP == 4:
         return
     for c0 in tl.range(u_lo, u_hi, BVC):
         v = _load_tile(v_base, HV * V, tmask, c0, V, BVC).to(ws_dtype)
-        u = tl.dot(tu, v, input_precision=DOT_PREC)
-        if MFORM:
-            ud = u.to(ws_dtype)
-            _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(aqk, ud, input_precision=DOT_PREC))
-            _store_kt_products(mk_base, K, c0, V, k_base, H * K, tmask, kt_scale, ud, K, V, BKC, BVC, DOT_PREC)
-        else:
-            _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, u)
+        _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(tu, v, input_precision=DOT_PREC))
 
 
 @triton.jit
-def _store_kt_products(entry_ptr, coff, c0, D: tl.constexpr, k_base, k_stride, tmask, kt_scale, x, K: tl.constexpr,
-                       V: tl.constexpr, BKC: tl.constexpr, BX: tl.constexpr, DOT_PREC: tl.constexpr):
-    """``(diag(kt_scale) K)^T x`` for the ``[C, BX]`` column block ``x`` (workspace dtype) of columns ``c0 ..`` of a
-    ``D``-column matrix: K rows of an ``[M | KU]`` entry (rows ``K + V`` apart, this part from column ``coff``),
-    in row blocks of ``BKC`` (k re-read from L1)."""
-    cols = c0 + tl.arange(0, BX)
-    for r0 in tl.static_range(0, K, BKC):
-        kt = (_load_tile(k_base, k_stride, tmask, r0, K, BKC).to(tl.float32) * kt_scale[:, None]).to(x.dtype)
-        prod = tl.dot(tl.trans(kt), x, input_precision=DOT_PREC)
-        krows = r0 + tl.arange(0, BKC)
-        tl.store(entry_ptr + krows[:, None] * (K + V) + coff + cols[None, :], prod.to(entry_ptr.dtype.element_ty),
-                 mask=(krows < K)[:, None] & (cols < D)[None, :])
-
-
-@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride", "NC", "chunk_base"])  # one compile for all sizes
-def _chunk_prepare_kernel(
-    q_ptr, k_ptr, v_ptr,
-    g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
-    bounds_ptr,
-    ws_ptr, mk_ptr,
-    T, scale, NC, chunk_base,
-    H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr,
-    BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
-    VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
-    EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
-    DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0, MFORM: tl.constexpr = False, PARTS: tl.constexpr = False,
-):
-    # STOP (timing only, never a default): 1-4 end the program after phase 1-4 (raw products and gating; scores and
-    # A; the inverse; W), storing that phase's result where U / Aqk would go so the compiler keeps the work; the
-    # benchmark times the truncations to split the kernel's time by phase (bench_gdn --sweep-set f).
-    # Value heads vary fastest: the HV / H programs of one key head and chunk run side by side and
-    # share their q / k rows through L2.
-    pid = tl.program_id(0)
+def _program_chunk(pid, HV, bounds_ptr, T, C: tl.constexpr, VARLEN: tl.constexpr):
+    """(chunk, value head, first token, end token) of a program of a grid over (chunk, value head) pairs, value heads
+    fastest: chunks from the batch's chunk table, or the C-token chunks of one sequence."""
     chunk = pid // HV
-    if PARTS:  # SEGMENTS: this launch prepares the table rows from chunk_base on
-        chunk += chunk_base
     hv = pid % HV
     if VARLEN:
         start = tl.load(bounds_ptr + 2 * chunk)
@@ -445,10 +393,33 @@ def _chunk_prepare_kernel(
     else:
         start = chunk * C
         end = tl.minimum(start + C, T)
+    return chunk, hv, start, end
+
+
+@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride"])  # one compile serves every length and head count
+def _chunk_prepare_kernel(
+    q_ptr, k_ptr, v_ptr,
+    g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
+    bounds_ptr,
+    ws_ptr,
+    T, scale,
+    H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr,
+    BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
+    VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
+    EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
+    DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0,
+):
+    # STOP (timing only, never a default): 1-4 end the program after phase 1-4 (raw products and gating; scores and
+    # A; the inverse; W), storing that phase's result where U / Aqk would go so the compiler keeps the work; the
+    # benchmark times the truncations to split the kernel's time by phase (bench_gdn --sweep-set f).
+    # Value heads vary fastest: the HV / H programs of one key head and chunk run side by side and
+    # share their q / k rows through L2.
+    pid = tl.program_id(0)
+    chunk, hv, start, end = _program_chunk(pid, HV, bounds_ptr, T, C, VARLEN)
     if end > start:
         _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, ws_ptr, start, end,
                        hv, 0, V, T, scale, H, HV, gate_stride, K, V, BKC, BVC, C, RAW_GATING, USE_L2, DOT_PREC,
-                       EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP, mk_ptr, chunk, NC, MFORM)
+                       EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP)
 
 
 @triton.jit
@@ -507,10 +478,12 @@ def _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K: tl.constex
 @triton.jit
 def _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T, H, HV, vb,
                 K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                DOT_PREC: tl.constexpr):
+                DOT_PREC: tl.constexpr, SPLIT: tl.constexpr = False, st_ptr=None, st_row=0):
     """One chunk of phase 2 for V block ``vb`` of value head ``hv`` (key head ``h``; workspace parts as
     :func:`_workspace` gives them, computed once by the caller): writes the chunk's output block, returns the state
-    after it (``S``: the state before, fp32)."""
+    after it (``S``: the state before, fp32). ``SPLIT``: the state path alone; it leaves the chunk's starting state
+    (workspace dtype, ``[HV, K, V]`` at row ``st_row`` of ``st_ptr``) and ``V'`` (over U's block) to
+    ``_chunk_output_kernel``."""
     ws_dtype = w_ptr.dtype.element_ty
     rows = tl.arange(0, C)
     tmask = rows < seq_end - chunk_start
@@ -518,47 +491,28 @@ def _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_s
     g = tl.load(gcum_ptr + head_row + rows, mask=tmask, other=0.0)
     g_last = tl.load(gcum_ptr + head_row + tl.minimum(C, seq_end - chunk_start) - 1)
     plane = HV.to(tl.int64) * T  # the row-scale planes of gcum (see the prepare kernel)
-    q_scale = tl.load(gcum_ptr + plane + head_row + rows, mask=tmask, other=0.0)
     k_scale = tl.load(gcum_ptr + 2 * plane + head_row + rows, mask=tmask, other=0.0)
-
-    q = _load_tile(q_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
+    if not SPLIT:
+        q_scale = tl.load(gcum_ptr + plane + head_row + rows, mask=tmask, other=0.0)
+        q = _load_tile(q_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
     k = _load_tile(k_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
     w = _load_tile(w_ptr + head_row * K, K, tmask, 0, K, BK)
     u = _load_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV).to(tl.float32)
-    aqk = _load_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C)
+    if not SPLIT:
+        aqk = _load_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C)
 
     # q and k go into the dots as loaded; their norms, scale and decays are row scales of the results.
     Sd = S.to(ws_dtype)
     v_new = u - tl.dot(w, Sd, input_precision=DOT_PREC)
-    o = tl.dot(q, Sd, input_precision=DOT_PREC) * q_scale[:, None]
-    o = tl.dot(aqk, v_new.to(ws_dtype), acc=o, input_precision=DOT_PREC)
-    _store_tile(o_ptr + (chunk_start * HV + hv) * V, HV * V, tmask, vb * BV, V, BV, o)
+    if SPLIT:
+        _state_tile_io(st_ptr + st_row * (HV * K * V), S, hv, vb, K, V, BK, BV, True)
+        _store_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV, v_new)
+    else:
+        o = tl.dot(q, Sd, input_precision=DOT_PREC) * q_scale[:, None]
+        o = tl.dot(aqk, v_new.to(ws_dtype), acc=o, input_precision=DOT_PREC)
+        _store_tile(o_ptr + (chunk_start * HV + hv) * V, HV * V, tmask, vb * BV, V, BV, o)
     v_scaled = (v_new * (k_scale * tl.exp(g_last - g))[:, None]).to(ws_dtype)
     return S * tl.exp(g_last) + tl.dot(tl.trans(k), v_scaled, input_precision=DOT_PREC)
-
-
-@triton.jit
-def _scan_chunk_mform(S, mk_ptr, w_ptr, u_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, chunk, T, HV, NC, vb,
-                      K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                      DOT_PREC: tl.constexpr):
-    """:func:`_scan_chunk` in the one-dot form the ``MFORM`` prepare leaves: ``O = Q' S + AU`` and
-    ``S <- e^{g_C} S + KU - M S`` (``Q'``, ``AU`` in W's and U's rows; ``[M | KU]`` entry ``chunk`` of ``NC``).
-    The state's path has one dot per chunk instead of two (``W S``, then ``K~^T V'``)."""
-    ws_dtype = w_ptr.dtype.element_ty
-    rows = tl.arange(0, C)
-    tmask = rows < seq_end - chunk_start
-    head_row = hv.to(tl.int64) * T + chunk_start
-    g_last = tl.load(gcum_ptr + head_row + tl.minimum(C, seq_end - chunk_start) - 1)
-    qp = _load_tile(w_ptr + head_row * K, K, tmask, 0, K, BK)
-    au = _load_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV).to(tl.float32)
-    entry = mk_ptr + (hv.to(tl.int64) * NC + chunk) * (K * (K + V))
-    kfull = tl.arange(0, BK) < K
-    m = _load_tile(entry, K + V, kfull, 0, K, BK)
-    ku = _load_tile(entry + K, K + V, kfull, vb * BV, V, BV).to(tl.float32)
-    Sd = S.to(ws_dtype)
-    _store_tile(o_ptr + (chunk_start * HV + hv) * V, HV * V, tmask, vb * BV, V, BV,
-                tl.dot(qp, Sd, input_precision=DOT_PREC) + au)
-    return S * tl.exp(g_last) + ku - tl.dot(m, Sd, input_precision=DOT_PREC)
 
 
 @triton.jit
@@ -573,19 +527,18 @@ def _sequence_bounds(cu_ptr, n, T, VARLEN: tl.constexpr):
     return start, end
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV", "NH", "NC", "tok_lo", "tok_hi"])
+@triton.jit(do_not_specialize=["T", "H", "HV", "NH"])
 def _chunk_scan_kernel(
-    q_ptr, k_ptr, ws_ptr, o_ptr, mk_ptr,
+    q_ptr, k_ptr, ws_ptr, o_ptr, st_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
-    T, pool_slot_stride, NC, tok_lo, tok_hi,
+    T, pool_slot_stride,
     H, HV, NH, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
-    HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr, MFORM: tl.constexpr = False, PARTS: tl.constexpr = False,
+    HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr = False,
 ):
-    # MFORM: the one-dot form (_scan_chunk_mform); one sequence only, whose chunks are entries 0 .. NC - 1.
-    # PARTS (SEGMENTS: a sequence in several launches, its state carried between them in h0 = ht): this launch scans
-    # the tokens tok_lo .. tok_hi of each sequence, as offsets from its start (multiples of C).
+    # SPLIT: the state path alone, the output left to _chunk_output_kernel; chunk states go to st_ptr [chunks, HV, K,
+    # V] in the chunk table's order (sequences in order, ceil(len / C) chunks each).
     vb = tl.program_id(0)
     nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (sequence, head) pairs: see grid_rows
     if nh >= NH:
@@ -597,17 +550,44 @@ def _chunk_scan_kernel(
     w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
     S, slot = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV,
                              STATE_IN, POOL, HAS_INIT_FLAGS)
-    part_start, part_end = seq_start, seq_end
-    if PARTS:
-        part_start, part_end = seq_start + tok_lo, tl.minimum(seq_start + tok_hi, seq_end)
-    for chunk_start in range(part_start, part_end, C):
-        if MFORM:
-            S = _scan_chunk_mform(S, mk_ptr, w_ptr, u_ptr, gcum_ptr, o_ptr, chunk_start, part_end, hv,
-                                  (chunk_start - seq_start) // C, T, HV, NC, vb, K, V, BK, BV, C, DOT_PREC)
-        else:
-            S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, part_end, hv, h, T,
-                            H, HV, vb, K, V, BK, BV, C, DOT_PREC)
+    row = tl.zeros((), dtype=tl.int64)  # SPLIT: the chunk's row in the chunk table
+    if SPLIT & VARLEN:
+        for m in range(0, n):
+            row += (tl.load(cu_ptr + m + 1) - tl.load(cu_ptr + m) + C - 1) // C
+    for chunk_start in range(seq_start, seq_end, C):
+        S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T, H, HV,
+                        vb, K, V, BK, BV, C, DOT_PREC, SPLIT, st_ptr, row)
+        row += 1
     _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV, STATE_OUT, POOL)
+
+
+@triton.jit(do_not_specialize=["T", "H", "HV"])
+def _chunk_output_kernel(
+    q_ptr, ws_ptr, st_ptr, o_ptr, bounds_ptr,
+    T, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The output of a ``SPLIT`` scan, all chunks in parallel: ``O = (Q e^g) S_c + Aqk V'`` for V block
+    ``program_id(1)`` of (chunk, value head) ``program_id(0)``, from the chunk's starting state ``S_c`` and ``V'``
+    the scan left (the same operands, rounded the same way, as the one-pass scan's output dots)."""
+    pid = tl.program_id(0)
+    vb = tl.program_id(1)
+    chunk, hv, start, end = _program_chunk(pid, HV, bounds_ptr, T, C, VARLEN)
+    if end > start:
+        ws_dtype = ws_ptr.dtype.element_ty
+        h = hv // (HV // H)
+        _, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
+        rows = tl.arange(0, C)
+        tmask = rows < end - start
+        head_row = hv.to(tl.int64) * T + start
+        q_scale = tl.load(gcum_ptr + HV.to(tl.int64) * T + head_row + rows, mask=tmask, other=0.0)
+        q = _load_tile(q_ptr + (start.to(tl.int64) * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
+        aqk = _load_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C)
+        v_new = _load_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV)
+        Sd = _state_tile_io(st_ptr + chunk.to(tl.int64) * (HV * K * V), None, hv, vb, K, V, BK, BV, False)
+        o = tl.dot(q, Sd.to(ws_dtype), input_precision=DOT_PREC) * q_scale[:, None]
+        o = tl.dot(aqk, v_new, acc=o, input_precision=DOT_PREC)
+        _store_tile(o_ptr + (start.to(tl.int64) * HV + hv) * V, HV * V, tmask, vb * BV, V, BV, o)
 
 
 @triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride", "ws_copy"])
@@ -719,15 +699,28 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
     if tuned:
         return _avoid_miscompiled_scan(dict(tuned), dtype, V)
     pairs = N * HV
+    # The tiles grow with K beyond 128.
+    smem = _shared_memory_per_block(device) * 128 // max(_pow2(K), 128)
+    if pairs <= 16 and per_seq >= 1024 and V >= 64:
+        # Session 8 (gdn_sweep_s8s / s8n_v3_nvidia_h200.json): with this few pairs the scan is latency-bound and its
+        # output dots take half its time, so it walks the state path alone (SPLIT) and a parallel launch computes
+        # the output: 397B-TP8 1x32768 0.947 -> 0.788 ms, 27B-TP4 1x32768 1.048 -> 0.936, 397B-TP8 2x8192 0.321 ->
+        # 0.295, 1x2048 0.060 -> 0.055 (all kernels); at 32 and more pairs the states' traffic costs more than that
+        # saves (35B-A3B 1x32768 1.70 -> 1.90). Shared memory of the split scan at BV 16 (sm_90 builds, K = 128):
+        # bf16 108 / 143 KB at 3 / 4 stages (2: ~72); fp16 ~106 / 144 KB at 2 / 3; fp32 ~144 / 214 KB at 2 / 3.
+        if dtype == torch.bfloat16:  # never one stage: _miscompiled_scan
+            stages = 4 if smem >= 150_000 else 3 if smem >= 115_000 else 2
+        else:
+            two, three = (110_000, 150_000) if dtype == torch.float16 else (150_000, 220_000)
+            stages = 3 if smem >= three else 2 if smem >= two else 1
+        return {"BV": 16, "num_warps": 4, "num_stages": stages, "SPLIT": True}
     if pairs >= 16:
         BV = 64 if 2 * pairs * _cdiv(V, 64) >= device_facts(device)[1] else 32
     else:
         BV = 16
     BV = min(_pow2(V), BV)
     # Shared memory of the pipelined loads (sm_90 builds, K = 128): bf16 at BV 64 takes 74 / 140 / 206 KB
-    # with 1 / 2 / 3 stages; the fp32 workspace (fp16 and fp32 inputs) 82 / 197 / 329 KB at most. The
-    # tiles grow with K beyond 128.
-    smem = _shared_memory_per_block(device) * 128 // max(_pow2(K), 128)
+    # with 1 / 2 / 3 stages; the fp32 workspace (fp16 and fp32 inputs) 82 / 197 / 329 KB at most.
     if dtype == torch.bfloat16:
         stages = 3 if smem >= 210_000 else 2 if smem >= 145_000 else 1
     else:
@@ -828,8 +821,7 @@ class _Plan(NamedTuple):
     scan_consts: tuple  # K, V, BK, BV, C
     scan_options: dict
     single_options: dict  # the single-launch kernel's: the prepare's without its register cap (few programs)
-    mform: bool = False  # the scan's one-dot form (scan_config {"MFORM": True}; one sequence; not yet measured)
-    segments: int = 1  # scan_config {"SEGMENTS": n}: one sequence in n parts, prepare overlapping scan (not measured)
+    split: bool = False  # the scan's state path alone, then the output of all chunks in parallel (scan_config SPLIT)
 
     def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
@@ -856,12 +848,11 @@ class _Plan(NamedTuple):
                 raise ValueError(f"scan_config {scan_config}: bf16 scans need num_stages >= 2 or BV >= 64 on a GPU "
                                  "(Triton 3.6 builds a wrong kernel for narrower blocks in one stage)")
             K, V, BK, _, C = plan.scan_consts
-            segments = scan_config.get("SEGMENTS", 1)
-            if not isinstance(segments, int) or segments < 1:
-                raise ValueError(f"scan_config SEGMENTS={segments!r}: accepted a positive int")
-            plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C), mform=bool(scan_config.get("MFORM")),
-                                 segments=segments, scan_options={k: v for k, v in scan_config.items()
-                                                                  if k not in ("BV", "MFORM", "SEGMENTS")})
+            split = scan_config.get("SPLIT", False)
+            if not isinstance(split, bool):
+                raise ValueError(f"scan_config SPLIT={split!r}: accepted True or False")
+            plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C), split=split,
+                                 scan_options={k: v for k, v in scan_config.items() if k not in ("BV", "SPLIT")})
         return plan
 
 
@@ -877,13 +868,14 @@ def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: 
         prepare_consts=(K, V, min(BK, 64), min(BV_full, 64), CHUNK),
         prepare_flags=_prepare_flags(dot_prec, flags),
         prepare_options=prepare_options, scan_consts=(K, V, BK, scan["BV"], CHUNK),
-        scan_options={k: v for k, v in scan.items() if k != "BV"},
+        scan_options={k: v for k, v in scan.items() if k not in ("BV", "SPLIT")}, split=scan.get("SPLIT", False),
         single_options={k: v for k, v in prepare_options.items() if k != "maxnreg"})
 
 
 _launch_prepare = DirectLauncher(_chunk_prepare_kernel)
 _launch_scan = DirectLauncher(_chunk_scan_kernel)
 _launch_single = DirectLauncher(_chunk_single_kernel)
+_launch_output = DirectLauncher(_chunk_output_kernel)
 
 
 def gdn_chunk_prefill(
@@ -915,8 +907,8 @@ def gdn_chunk_prefill(
 
     ``prepare_config`` (``num_warps``, ``num_stages`` (1 only), optionally ``maxnreg``, the column blocks
     ``BKC`` / ``BVC``, and the kernel flags ``DIAG_BY_PRODUCT``, ``LOWP_MERGE``, ``EXACT_PREC``, ``DIAG_ROWS``,
-    ``STOP``) and ``scan_config`` (``BV``, ``num_warps``, ``num_stages``, and ``MFORM``: the one-dot state path
-    of ``_scan_chunk_mform``, one sequence per call, not yet measured on a GPU) override the launch configs of the
+    ``STOP``) and ``scan_config`` (``BV``, ``num_warps``, ``num_stages``, ``SPLIT``: the output in a parallel
+    launch after the scan) override the launch configs of the
     two phases; the benchmark times variants with them. Either one also turns off the single-launch path of
     batches of at most ``CHUNK`` tokens. Host cost matters here (short prompts at TP4/TP8): one workspace
     allocation, cached configs, and kernels launched through :class:`DirectLauncher`.
@@ -989,84 +981,27 @@ def gdn_chunk_prefill(
                        plan.single_options)
         return o, final
 
-    mk = None
-    if (plan.mform or plan.segments > 1) and N != 1:
-        raise ValueError(f"scan_config MFORM / SEGMENTS take one sequence per call, got {N}")
-    if plan.mform:  # [M | KU] per (head, chunk): the one-dot scan's state-path operands
-        mk = torch.empty(HV, max(num_chunks, 1), K, K + V, dtype=plan.ws_dtype, device=dev)
-
-    def prepare(chunk_lo: int, chunk_hi: int) -> None:  # phase 1: what needs no running state, chunks in parallel
-        _launch_prepare(((chunk_hi - chunk_lo) * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, mk, T,
-                                                        scale, max(num_chunks, 1), chunk_lo, H, HV, gate_stride,
-                                                        *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
-                                                        *plan.prepare_flags, plan.mform, chunk_lo > 0),
+    # Phase 1: everything that does not need the running state, all chunks in parallel.
+    if num_chunks > 0 and T > 0:
+        _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV,
+                                             gate_stride,
+                                             *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
+                                             *plan.prepare_flags),
                         plan.prepare_options)
 
-    def scan(tok_lo: int, tok_hi: int, h0, ht, slots, has_init, pool: bool) -> None:  # noqa: ANN001 - phase 2
-        _launch_scan(plan.scan_grid(N, HV),
-                     (q, k, ws, o, mk, cu_seqlens, h0, ht, slots, has_init, T, pool_slot_stride,
-                      max(num_chunks, 1), tok_lo, tok_hi, H, HV, N * HV, *plan.scan_consts, varlen, h0 is not None,
-                      ht is not None, pool, has_init is not None, plan.dot_prec, plan.mform,
-                      tok_lo > 0 or tok_hi < T),
-                     plan.scan_options)
-
-    if plan.segments > 1 and num_chunks > 1 and T > 0:
-        final = _segmented(prepare, scan, plan.segments, num_chunks, dev, state_pool, state_slots, has_initial_state,
-                           initial_state, output_final_state, HV, K, V)
-        return o, final
-    if num_chunks > 0 and T > 0:
-        prepare(0, num_chunks)
+    # Phase 2: the sequential pass over chunks, state in registers, output and final state written (SPLIT: the
+    # chunks' starting states and V' written instead, and the output computed from them with all chunks in parallel).
+    split = plan.split and num_chunks > 0 and T > 0
+    states = torch.empty(num_chunks, HV, K, V, dtype=plan.ws_dtype, device=dev) if split else None
     if N > 0:
-        scan(0, T, h0, ht, state_slots, has_initial_state, pool)
+        _launch_scan(plan.scan_grid(N, HV),
+                     (q, k, ws, o, states, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
+                      pool_slot_stride, H, HV, N * HV, *plan.scan_consts, varlen,
+                      h0 is not None, ht is not None, pool, has_initial_state is not None, plan.dot_prec, split),
+                     plan.scan_options)
+    if split:
+        bv = min(_pow2(V), 64)
+        _launch_output((num_chunks * HV, _cdiv(V, bv)), (q, ws, states, o, bounds, T, H, HV, K, V, plan.scan_consts[2],
+                                                         bv, CHUNK, varlen, plan.dot_prec),
+                       {"num_warps": 4, "num_stages": 1})
     return o, final
-
-
-_side_streams: dict[int, torch.cuda.Stream] = {}
-
-
-def _segmented(prepare, scan, segments: int, num_chunks: int, dev: torch.device,  # noqa: ANN001
-               state_pool: torch.Tensor | None, state_slots: torch.Tensor | None,
-               has_initial_state: torch.Tensor | None, initial_state: torch.Tensor | None,
-               output_final_state: bool, HV: int, K: int, V: int) -> torch.Tensor | None:
-    """One sequence's two phases in ``segments`` parts of whole chunks: the prepare of every part on a side stream,
-    in order, each scan part on the caller's stream once its prepare is done, so the prepare of part i + 1 runs while
-    part i is scanned (few (sequence, head) pairs leave most of the GPU to it). The state goes from part to part
-    in one fp32 ``[1, HV, K, V]`` tensor; a pool slot is read into it first and written back last (no host
-    synchronisation). Returns the final state when ``output_final_state`` (and no pool)."""
-    cuts = sorted({round(i * num_chunks / segments) for i in range(segments + 1)})
-    if state_pool is not None:
-        idx = state_slots[:1].long()
-        use = idx >= 0
-        if has_initial_state is not None:
-            use = use & has_initial_state[:1].bool()
-        slot_state = state_pool.index_select(0, idx.clamp(min=0))
-        carry = torch.where(use.view(1, 1, 1, 1), slot_state, 0.0).to(state_pool.dtype)
-    elif initial_state is not None:
-        carry = initial_state[:1].to(torch.float32, copy=True)  # the final state is fp32, as from one pass
-    else:
-        carry = torch.zeros(1, HV, K, V, dtype=torch.float32, device=dev)
-    parts = list(itertools.pairwise(cuts))
-    if dev.type == "cuda":
-        main = torch.cuda.current_stream(dev)
-        side = _side_streams.get(dev.index)
-        if side is None:
-            side = _side_streams[dev.index] = torch.cuda.Stream(dev)
-        side.wait_stream(main)
-        done = []
-        with torch.cuda.stream(side):
-            for lo, hi in parts:
-                prepare(lo, hi)
-                done.append(side.record_event())
-        for (lo, hi), event in zip(parts, done, strict=True):
-            main.wait_event(event)
-            scan(lo * CHUNK, hi * CHUNK, carry, carry, None, None, False)
-    else:  # the interpreter: in turn
-        for lo, hi in parts:
-            prepare(lo, hi)
-            scan(lo * CHUNK, hi * CHUNK, carry, carry, None, None, False)
-    if state_pool is not None:
-        keep = (idx < 0).view(1, 1, 1, 1)
-        state_pool.index_copy_(0, idx.clamp(min=0), torch.where(keep, state_pool.index_select(0, idx.clamp(min=0)),
-                                                                carry))
-        return None
-    return carry if output_final_state else None
