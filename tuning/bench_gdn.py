@@ -370,8 +370,13 @@ BOTH_VARIANTS_M = [{"scan": None}] + [{"scan": {"BV": bv, "num_warps": 4, "num_s
 
 
 # Set n: set m's variants at four shapes, for a run with DISABLE_MMA_V3=1 (Triton then builds dots from
-# register-operand mma.sync instead of warpgroup wgmma; a separate TRITON_CACHE_DIR) against one without: whether
-# the scan's short dependent dots (N = 16 columns) wait less that way.
+# register-operand mma.sync instead of warpgroup wgmma; a separate TRITON_CACHE_DIR) against one without: every scan
+# slower that way (gdn_sweep_s8n_v2 vs s8n_v3_nvidia_h200.json; 397B-TP8 1x32768 split scan 0.46 -> 0.86 ms).
+# (A prepare and scan running at once, the scan on a high-priority stream waiting on per-(chunk, head) ready flags
+# and preparing unclaimed chunks itself, was built and timed in session 8 and removed (gdn_sweep_s8v_nvidia_h200.json):
+# the scan took 1.23-1.37 ms instead of 0.46 at 397B-TP8 1x32768 (cause not isolated: prepare programs beside it,
+# 500 bytes of spills from the inline prepare path, or its pipeline restarting at every block of flags), and with
+# more scan programs than SMs the two crawled (27B-TP1 8x4096 11.9 ms against 2.19).)
 SWEEP_PREFILL_N = {k: SWEEP_PREFILL_M[k] for k in ("397B-TP8 1x32768", "27B-TP4 1x32768", "35B-A3B-TP1 1x32768")}
 SWEEP_PREFILL_N["27B-TP1 8x4096"] = ("27B-TP1", [4096] * 8)
 
@@ -519,10 +524,13 @@ def _sweep_prefill(rows: list[dict], deadline: float, shapes: dict, variants: li
                 else:
                     kw = {f"{phase}_config": cfg}
                     name = "_chunk_scan_kernel" if phase == "scan" else "_chunk_prepare_kernel"
-                kernels = kernel_times_ms(_ours_prefill(d, meta, **kw), calls=3)
+                fn = _ours_prefill(d, meta, **kw)
+                kernels = kernel_times_ms(fn, calls=3)
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "kernel_ms": round(
                     sum(v for k, v in kernels.items() if k.startswith(name)), 4),
                     "kernels_ms": {k: round(v, 4) for k, v in kernels.items()}})
+                if phase == "both":  # the call's time by events, gaps included (TEARDOWN_CUPTI=1 for clean ones)
+                    rows[-1]["wall_ms"] = round(_bench.time_ms(fn), 4)
             except Exception as e:  # noqa: BLE001
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)
