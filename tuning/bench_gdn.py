@@ -381,11 +381,20 @@ SWEEP_PREFILL_N = {k: SWEEP_PREFILL_M[k] for k in ("397B-TP8 1x32768", "27B-TP4 
 SWEEP_PREFILL_N["27B-TP1 8x4096"] = ("27B-TP1", [4096] * 8)
 
 
+# Set p: the split scan's pipeline depth (BV 16; 4 stages take 143 KB of shared memory, each more ~35 KB) where
+# the heuristic splits (<= 16 pairs, sequences >= 1024 tokens).
+SWEEP_PREFILL_P = {k: SWEEP_PREFILL_M[k] for k in ("397B-TP8 1x32768", "27B-TP4 1x32768", "397B-TP8 1x8192",
+                                                  "27B-TP4 1x8192", "397B-TP8 2x8192")}
+BOTH_VARIANTS_P = [{"scan": None}] + [{"scan": {"BV": 16, "num_warps": 4, "num_stages": st, "SPLIT": True}}
+                                      for st in (5, 6)]
+
+
 # Sets that sweep one phase: set -> (phase, its variants).
 ONE_PHASE_SETS = {"c": ("prepare", PREPARE_VARIANTS_C), "d": ("decode", DECODE_VARIANTS_D),
                   "e": ("scan", SCAN_VARIANTS_E), "f": ("prepare", PREPARE_VARIANTS_F),
                   "h": ("prepare", PREPARE_VARIANTS_H), "m": ("both", BOTH_VARIANTS_M),
-                  "n": ("both", BOTH_VARIANTS_M)}
+                  "n": ("both", BOTH_VARIANTS_M),
+                  "p": ("both", BOTH_VARIANTS_P)}
 
 
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
@@ -485,7 +494,7 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
         sweep_decode(rows, deadline, DECODE_SWEEP_D, DECODE_VARIANTS_D, save)
         return
     shapes = {"e": SWEEP_PREFILL_E, "f": SWEEP_PREFILL_F, "h": SWEEP_PREFILL_F, "m": SWEEP_PREFILL_M,
-              "n": SWEEP_PREFILL_N}
+              "n": SWEEP_PREFILL_N, "p": SWEEP_PREFILL_P}
     if args.sweep_set in shapes:
         _sweep_prefill(rows, deadline, shapes[args.sweep_set], all_variants(args.sweep_set), save)
         if args.sweep_set in ("f", "h"):  # prepare variants: their accuracy too
@@ -600,12 +609,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
-    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h", "m", "n"),
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h", "m", "n", "p"),
                         help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
                              "d: decode blocks with and without streaming cache hints; e: scan V blocks at 35B; "
                              "f: prepare time by phase (truncations) and variants of its default; "
                              "h: its column blocks; m: the output split from the scan; "
-                             "n: set m at four shapes (for DISABLE_MMA_V3 runs)")
+                             "n: set m at four shapes (for DISABLE_MMA_V3 runs); p: the split scan's stages")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")

@@ -955,10 +955,19 @@ def gdn_chunk_prefill(
     if prepare_config is not None or scan_config is not None:
         plan = plan._replace_configs(dev, q.dtype, prepare_config, scan_config)
 
-    o = torch.empty(T, HV, V, dtype=q.dtype, device=dev) if out is None else out
     single_bv = min(_pow2(V), 64)  # 64: narrower would be of the miscompiled class for bf16 (_miscompiled_scan)
     copies = _cdiv(V, single_bv) if single else 1  # the single-launch kernel's programs each have their own
     ws = torch.empty(copies * HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
+    work = not single and num_chunks > 0 and T > 0
+    if work:
+        # Phase 1: everything that does not need the running state, all chunks in parallel. Launched before the
+        # other allocations: the GPU starts on it while the host does them.
+        _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV,
+                                             gate_stride,
+                                             *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
+                                             *plan.prepare_flags),
+                        plan.prepare_options)
+    o = torch.empty(T, HV, V, dtype=q.dtype, device=dev) if out is None else out
     pool = state_pool is not None
     final = None
     if pool:
@@ -981,17 +990,9 @@ def gdn_chunk_prefill(
                        plan.single_options)
         return o, final
 
-    # Phase 1: everything that does not need the running state, all chunks in parallel.
-    if num_chunks > 0 and T > 0:
-        _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV,
-                                             gate_stride,
-                                             *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
-                                             *plan.prepare_flags),
-                        plan.prepare_options)
-
     # Phase 2: the sequential pass over chunks, state in registers, output and final state written (SPLIT: the
     # chunks' starting states and V' written instead, and the output computed from them with all chunks in parallel).
-    split = plan.split and num_chunks > 0 and T > 0
+    split = plan.split and work
     states = torch.empty(num_chunks, HV, K, V, dtype=plan.ws_dtype, device=dev) if split else None
     if N > 0:
         _launch_scan(plan.scan_grid(N, HV),
