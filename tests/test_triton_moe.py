@@ -401,22 +401,28 @@ build(A._align_single_kernel, {}, dict(TOP_K=8, HAS_MAP=False, HAS_SHARED=True, 
 for top_k, chunk_pad in ((8, 512), (10, 1024)):
     build(A._scatter_kernel, {}, dict(TOP_K=top_k, HAS_SHARED=True, BLOCK_M=128, CHUNK_PAD=chunk_pad, G_PAD=512,
                                       TILE_C=32), 8)
-for bm, bn, bk, warps, stages in ((16, 32, 256, 4, 4), (128, 128, 64, 8, 3)):
+no_pdl = dict(PDL=False, PREFETCH_LINES=0, LINE_ELEMS=64)
+for bm, bn, bk, warps, stages, pdl in ((16, 32, 256, 4, 4, True), (128, 128, 64, 8, 3, False)):
     tiles = dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True, IEEE=False,
-                 SUB_LEVELS=X.sub_levels(bm))
+                 SUB_LEVELS=X.sub_levels(bm), PDL=pdl)  # decode tiles also with programmatic dependent launch
     build(X._gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf}, tiles, warps, stages)
-    build(X._down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weights_ptr": f32, "y_ptr": bf}, tiles,
-          warps, stages)
+    build(X._down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weights_ptr": f32, "y_ptr": bf},
+          dict(tiles, TILES_N=1, PREFETCH_LINES=8 if pdl else 0, LINE_ELEMS=64), warps, stages)
+build(R._router_logits_kernel, router, dict(HAS_GATE=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, IEEE=False, PDL=True))
+build(A._route_align_kernel, logits, dict(route, ROWS=8, HAS_MAP=False, N_PAD=16, G_PAD=512, BLOCK_M=16, PDL=True))
+build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=False, BLOCK_H=1024,
+                                                                            PDL=True))
 down = {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weights_ptr": f32, "y_ptr": bf}
 for bm, bn, bk, warps, stages, tiles_n in ((128, 256, 64, 8, 4, 4), (128, 256, 128, 8, 2, 16), (64, 128, 64, 4, 4, 8)):
     build(X._down_kernel, down, dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True,
-                                     IEEE=False, TILES_N=tiles_n, SUB_LEVELS=X.sub_levels(bm)), warps, stages)  # flat
+                                     IEEE=False, TILES_N=tiles_n, SUB_LEVELS=X.sub_levels(bm), **no_pdl), warps,
+          stages)  # flat
 for bm, bn, bk, warps, stages, tiles_n in ((128, 128, 64, 8, 4, 1), (128, 256, 64, 8, 4, 4)):  # weight tiles by TMA
     tma = dict(HAS_SHARED=True, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, EVEN_K=True, EVEN_N=True, IEEE=False,
                SUB_LEVELS=X.sub_levels(bm), TMA=True)
     build(X._gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf}, dict(tma, BLOCK_N=128),
           warps, stages)
-    build(X._down_kernel, down, dict(tma, TILES_N=tiles_n), warps, stages)
+    build(X._down_kernel, down, dict(tma, TILES_N=tiles_n, **no_pdl), warps, stages)
 build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=True, BLOCK_H=1024))
 print("built")
 '''
@@ -454,3 +460,17 @@ def test_alignment_buffers_are_16_byte_aligned_at_every_token_count():
             al = talign._outputs(n, G, 16, "cpu")
             parts = (al.sorted_slots, al.block_group, al.group_start, al.group_count, al.total_blocks, al.slot_group)
             assert all(t.data_ptr() % 16 == 0 for t in parts), (n, G)
+
+
+def test_programmatic_dependent_launch_is_for_gpus_only(monkeypatch):
+    """PDL (one token by default, every size with QWEN35_MOE_PDL=1) is for CUDA devices of sm_90+ only; never on the
+    CPU (the interpreter has no griddepcontrol), so these tests run the ordinary launches whatever the environment
+    says."""
+    from kernels_triton.moe import pdl
+
+    for env, m in (("1", 2), ("1", 1), ("", 1)):
+        monkeypatch.setenv(pdl.ENV, env)
+        assert not pdl.enabled(torch.zeros(m, 8))
+    assert pdl.options(True) == {"launch_pdl": True} and pdl.options(False) == {}
+    assert pdl.prefetch_lines(512, 2) == (8, 64)  # a 1 KB bf16 row: eight 128-byte lines
+    assert pdl.prefetch_lines(100, 4) == (4, 32)  # 400 bytes of fp32: four lines (the last one partly)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import sys
@@ -209,6 +210,40 @@ def down_flat_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
                     r = dict(sweep="down_tiles_n", shape=f"{name} M={M}", tiles_n=tiles_n,
                              error=f"{type(e).__name__}: {str(e)[:200]}")
                 _record(rows, r, out, "moe_down_flat")
+        torch.cuda.empty_cache()
+    return rows
+
+
+def pdl_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
+    """The whole block (router to combine; without and with the shared expert; graph replay) with and without
+    programmatic dependent launch (``QWEN35_MOE_PDL=1``, kernels_triton/moe/pdl.py), alternating, and whether the
+    two give the same bits."""
+    import os
+
+    from kernels_triton.moe import pdl
+
+    rows = []
+    for name in shapes:
+        E, k, H, I = SHAPES[name]
+        w = _weights(E, H, I)
+        for M, shared in itertools.product(ms, (False, True)):
+            x = _x(M, H)
+            call = functools.partial(ours, x, w["router_weight"], w["w13"], w["w2"], k, w["shared"] if shared else None)
+            got, us = {}, {False: [], True: []}
+            try:
+                for _ in range(2):
+                    for on in (False, True):
+                        os.environ[pdl.ENV] = "1" if on else "0"
+                        got[on] = call()
+                        us[on].append(_bench.time_graph_ms(call) * 1e3)
+                r = dict(sweep="pdl", shape=f"{name} M={M}", shared=shared, us_off=round(min(us[False]), 2),
+                         us_pdl=round(min(us[True]), 2), same_bits=bool(torch.equal(got[True], got[False])))
+            except Exception as e:  # noqa: BLE001 - record and go on
+                r = dict(sweep="pdl", shape=f"{name} M={M}", shared=shared, error=f"{type(e).__name__}: {str(e)[:300]}")
+            finally:
+                os.environ.pop(pdl.ENV, None)
+            _record(rows, r, out, "moe_pdl")
+        del w
         torch.cuda.empty_cache()
     return rows
 
@@ -555,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tma", action="store_true", help="both expert GEMMs with weight tiles by pointers and by TMA")
     ap.add_argument("--sub-tiles", action="store_true", help="gate_up/down with and without shorter tiles for short "
                     "last blocks, at 64- and 128-row blocks")
+    ap.add_argument("--pdl", action="store_true", help="the whole block with and without programmatic dependent "
+                    "launch (QWEN35_MOE_PDL)")
     ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
                     help="also time each stage with the shared expert up to this many tokens")
     ap.add_argument("--tag", default="", help="inserted into the result file name (moe_<tag>_<device>.json)")
@@ -569,6 +606,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.tma:
         tma_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1, 16, 1024, 4096, 8192, 16384])
+        return 0
+    if args.pdl:
+        pdl_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1, 4, 16, 64, 256])
         return 0
     if args.sub_tiles:
         sub_tiles_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [2048, 4096, 8192, 16384])

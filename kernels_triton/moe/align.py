@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._launch import DirectLauncher, aligned16
+from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.routing import _route_tile, cdiv, gate_logits, pow2, route_launch_params, route_warps
 
 SINGLE_CHUNK_MAX = 1024  # routed slots handled by one fused program
@@ -163,8 +164,9 @@ def _route_align_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, map_ptr, slo
                         N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
                         ROWS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
                         HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr, N_PAD: tl.constexpr,
-                        G_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+                        G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
     """Decode: route the M tokens, then align their slots, in one program (one launch fewer)."""
+    _pdl.enter(PDL)
     for r0 in range(0, M, ROWS):
         _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, r0 + tl.arange(0, ROWS), M, E_GLOBAL, E_GLOBAL,
                     N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
@@ -340,12 +342,12 @@ def align(ids: torch.Tensor, *, n_local: int, block_m: int, expert_map: torch.Te
 
 def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize: bool, *, n_experts: int,
                     n_local: int, block_m: int, expert_map: torch.Tensor | None, gate: bool,
-                    shared: bool) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+                    shared: bool, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """Routing of ``logits`` (see :func:`kernels_triton.moe.routing.route`) and the alignment of its picks.
 
     ``logits``: from :func:`kernels_triton.moe.routing.router_logits` (with ``gate``, the gate partials
     follow it). Decode-sized batches do both in one program; larger ones in two launches (route + count,
-    scatter).
+    scatter). ``pdl``: the one-program launch with programmatic dependent launch (:mod:`kernels_triton.moe.pdl`).
     """
     M = logits.shape[-2]
     slots = top_k + int(shared)
@@ -366,5 +368,5 @@ def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize
         logits, gate_part, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, base,
         al.sorted_slots, al.block_group, al.group_start, al.group_count, al.total_blocks, M, n_experts, n_local,
         HAS_MAP=expert_map is not None, N_PAD=_pow2(M * top_k), G_PAD=_pow2(n_local), BLOCK_M=block_m, num_warps=4,
-        **route)
+        PDL=pdl, **route, **_pdl.options(pdl))
     return weights, ids, al

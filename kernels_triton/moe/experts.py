@@ -24,6 +24,7 @@ import triton.language as tl
 from triton import knobs
 
 from kernels_triton._launch import DirectLauncher, ensure_scratch_allocator
+from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.align import Alignment
 from kernels_triton.moe.config import GemmConfig
 from kernels_triton.moe.routing import cdiv, pow2
@@ -114,9 +115,10 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, gro
                     total_blocks_ptr, h_ptr, H, I, SLOTS, E_LOCAL, HAS_SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SUB_LEVELS: tl.constexpr = 0,
-                    TMA: tl.constexpr = False):
+                    TMA: tl.constexpr = False, PDL: tl.constexpr = False):
     """One aligned block times one column tile. With SUB_LEVELS, a group's last block holding at most
     BLOCK_M / 2 (/ 4 with two levels) real rows runs a tile of that height: its padding rows cost no MMA work."""
+    _pdl.enter(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
     block, tile_n = pid // n_tiles, pid % n_tiles
@@ -176,18 +178,28 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
                  total_blocks_ptr, weights_ptr, y_ptr, H, I, E_LOCAL, HAS_SHARED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr = 1,
-                 SUB_LEVELS: tl.constexpr = 0, TMA: tl.constexpr = False):
+                 SUB_LEVELS: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
+                 PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64):
     """One aligned block times TILES_N column tiles of its expert's W2 (SUB_LEVELS: as in the gate_up kernel).
 
     TILES_N > 1 runs the tiles' K loops as one flat loop (the epilogue of a tile inside it), so the
     pipelined loads of the next tile start while the current one finishes, and the block's index loads
     are paid once: at large M the down GEMM's K (= I) is short (2-8 steps of BLOCK_K), so a tile's
     pipeline fill, index loads and epilogue are a large part of its time.
+
+    PREFETCH_LINES (with PDL): before waiting for the gate_up launch, the program's weight rows go into L2 (the
+    alignment that names its expert is finished by then; kernels_triton.moe.pdl).
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
     n_groups = tl.cdiv(n_tiles, TILES_N)
     block, tile_n = pid // n_groups, (pid % n_groups) * TILES_N
+    if PREFETCH_LINES > 0:
+        if block < tl.load(total_blocks_ptr):
+            w_next = _expert_weights(w_ptr, shared_w_ptr, tl.load(block_group_ptr + block), H * I, E_LOCAL,
+                                     HAS_SHARED)
+            _pdl.prefetch_rows_l2(w_next, tile_n * BLOCK_N, H, I, BLOCK_N * TILES_N, PREFETCH_LINES, LINE_ELEMS)
+    _pdl.enter(PDL)
     if block >= tl.load(total_blocks_ptr):
         return
     group, start, count, n_real = _block_group(block, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M)
@@ -266,8 +278,9 @@ def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, coun
 
 @triton.jit
 def _combine_kernel(y_ptr, slot_group_ptr, extra_ptr, out_ptr, H, SLOTS: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                    BLOCK_H: tl.constexpr):
+                    BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
     """out[t] = sum_j y[t * SLOTS + j] (dropped slots skipped), j ascending, in fp32; + extra[t]."""
+    _pdl.enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -353,7 +366,7 @@ def _use_tma(which: str, tma: bool | None, x: torch.Tensor, cfg: GemmConfig, H: 
 
 
 def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None, al: Alignment, slots: int,
-            cfg: GemmConfig, sub: int | None = None, tma: bool | None = None) -> torch.Tensor:
+            cfg: GemmConfig, sub: int | None = None, tma: bool | None = None, pdl: bool = False) -> torch.Tensor:
     """``h`` ``[max_blocks * BLOCK_M, I]`` in aligned row order (padding rows unwritten).
 
     ``sub``: tile-halving levels for a group's last block (default :func:`sub_levels`). ``tma``: weight tiles
@@ -367,8 +380,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None,
         al.group_count, al.total_blocks, h, H, I, slots, w13.shape[0], HAS_SHARED=shared_w13 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=H % cfg.BLOCK_K == 0,
         EVEN_N=I % cfg.BLOCK_N == 0, IEEE=x.dtype == torch.float32,
-        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **_pdl.options(pdl))
     return h
 
 
@@ -386,11 +399,12 @@ def down_tiles_per_program(cfg: GemmConfig, H: int, I: int) -> int:
 
 
 def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: Alignment, weights: torch.Tensor,
-         cfg: GemmConfig, tiles_n: int | None = None, sub: int | None = None, tma: bool | None = None) -> torch.Tensor:
+         cfg: GemmConfig, tiles_n: int | None = None, sub: int | None = None, tma: bool | None = None,
+         pdl: bool = False) -> torch.Tensor:
     """``y`` ``[M * slots, H]``: each kept slot's expert output times its router weight (dropped rows unwritten).
 
     ``tiles_n``: column tiles per program (default :func:`down_tiles_per_program`); any value gives the same bits.
-    ``sub``, ``tma``: as in :func:`gate_up`.
+    ``sub``, ``tma``, ``pdl``: as in :func:`gate_up` (with ``pdl`` the weight rows are prefetched into L2 first).
     """
     H, I = w2.shape[1], w2.shape[2]
     tma = _use_tma("down", tma, h, cfg, H, I, weights.numel() / al.n_groups)
@@ -398,22 +412,24 @@ def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: 
     n_tiles = cdiv(H, cfg.BLOCK_N)
     tiles_n = max(1, min(tiles_n or down_tiles_per_program(cfg, H, I), n_tiles))
     grid = (al.max_blocks * cdiv(n_tiles, tiles_n),)
+    lines, line_elems = _pdl.prefetch_lines(I, w2.element_size())
     _launch_down[grid](
         h, w2, shared_w2 if shared_w2 is not None else w2, al.sorted_slots, al.block_group, al.group_start,
         al.group_count, al.total_blocks, weights, y, H, I, w2.shape[0], HAS_SHARED=shared_w2 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
         EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32, TILES_N=tiles_n,
-        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages)
+        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, PDL=pdl, PREFETCH_LINES=lines if pdl else 0,
+        LINE_ELEMS=line_elems, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl.options(pdl))
     return y
 
 
-def combine(y: torch.Tensor, al: Alignment, M: int, slots: int, extra: torch.Tensor | None = None) -> torch.Tensor:
+def combine(y: torch.Tensor, al: Alignment, M: int, slots: int, extra: torch.Tensor | None = None,
+            pdl: bool = False) -> torch.Tensor:
     """``[M, H]`` in y's dtype: the fixed-order sum of each token's slots (+ ``extra``)."""
     H = y.shape[1]
     out = torch.empty(M, H, dtype=y.dtype, device=y.device)
     block_h = min(1024, pow2(H))
     _launch_combine[(M, cdiv(H, block_h))](
         y, al.slot_group, extra if extra is not None else y, out, H, SLOTS=slots, HAS_EXTRA=extra is not None,
-        BLOCK_H=block_h, num_warps=4)
+        BLOCK_H=block_h, PDL=pdl, num_warps=4, **_pdl.options(pdl))
     return out

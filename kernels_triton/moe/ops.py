@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from kernels_triton.moe import align as _align
 from kernels_triton.moe import config as _config
 from kernels_triton.moe import experts as _experts
+from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe import routing as _routing
 
 
@@ -32,12 +33,12 @@ def moe_route(
 def _run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                  al: _align.Alignment, cfgs: tuple[_config.GemmConfig, _config.GemmConfig],
                  shared: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 extra: torch.Tensor | None = None) -> torch.Tensor:
+                 extra: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """gate_up -> down -> combine over aligned picks (the shared expert is the last pick when ``shared``)."""
     shared_w13, shared_w2 = shared if shared is not None else (None, None)
-    h = _experts.gate_up(x, w13, shared_w13, al, weights.shape[1], cfgs[0])
-    y = _experts.down(h, w2, shared_w2, al, weights, cfgs[1])
-    return _experts.combine(y, al, x.shape[0], weights.shape[1], extra)
+    h = _experts.gate_up(x, w13, shared_w13, al, weights.shape[1], cfgs[0], pdl=pdl)
+    y = _experts.down(h, w2, shared_w2, al, weights, cfgs[1], pdl=pdl)
+    return _experts.combine(y, al, x.shape[0], weights.shape[1], extra, pdl=pdl)
 
 
 def moe_experts(
@@ -85,11 +86,13 @@ def moe_block(
     fused_shared = shared_w13 is not None and shared_w13.shape[0] == w13.shape[1]
     gate = shared_gate_weight if fused_shared else None
     cfgs = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
-    logits, n_splits = _routing.router_logits(x, router_weight, gate)
-    weights, _, al = _align.route_and_align(
-        logits, n_splits, top_k, renormalize, n_experts=router_weight.shape[0], n_local=E,
-        block_m=cfgs[0].BLOCK_M, expert_map=expert_map, gate=gate is not None, shared=fused_shared)
     extra = None
     if shared_w13 is not None and not fused_shared:
         extra = _torch_shared_expert(x, shared_w13, shared_w2, shared_gate_weight)
-    return _run_experts(x, w13, w2, weights, al, cfgs, (shared_w13, shared_w2) if fused_shared else None, extra)
+    pdl = _pdl.enabled(x)  # each launch starts while the one before finishes (one token; kernels_triton/moe/pdl.py)
+    logits, n_splits = _routing.router_logits(x, router_weight, gate, pdl=pdl)
+    weights, _, al = _align.route_and_align(
+        logits, n_splits, top_k, renormalize, n_experts=router_weight.shape[0], n_local=E,
+        block_m=cfgs[0].BLOCK_M, expert_map=expert_map, gate=gate is not None, shared=fused_shared, pdl=pdl)
+    return _run_experts(x, w13, w2, weights, al, cfgs, (shared_w13, shared_w2) if fused_shared else None, extra,
+                        pdl=pdl)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._launch import DirectLauncher, aligned16
+from kernels_triton.moe import pdl as _pdl
 
 ROUTE_TILE = 4096  # elements of the [rows, E_PAD] logits tile one route program holds
 
@@ -55,7 +56,7 @@ def _router_dots(x_ptr, w_ptr, gate_ptr, rows, cols, M, H, E, k_first, K_PER_SPL
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, K_PER_SPLIT,
                           HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr):
+                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
     """out[s, m, n] = x[m] . W[n] and gate_out[s, m] = x[m] . gate over split s's slice of H.
 
     The column-tile-0 programs also compute the gate logits, from the x tiles they load anyway (a
@@ -63,6 +64,7 @@ def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E
     Column tiles are the fastest grid axis: the programs sharing a tile of x run together and read
     it from L2 (x-major order re-read x from DRAM once per column tile: 4x at E = 512).
     """
+    _pdl.enter(PDL)
     pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -243,7 +245,7 @@ def router_launch(M: int, H: int, E: int) -> tuple[tuple[int, int, int], int, di
 
 
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
-                  gate_weight: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+                  gate_weight: torch.Tensor | None, pdl: bool = False) -> tuple[torch.Tensor, int]:
     """fp32 split-K partials of the router logits ``[n_splits, M, E]``; returns (partials, n_splits).
 
     With ``gate_weight`` the same allocation continues with the gate logits' partials ``[n_splits, M]``
@@ -261,5 +263,6 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
     gate_out = gate_logits(out, n_splits) if gate_weight is not None else out
     _launch_router_logits[grid](
         x, router_weight, gate_weight if gate_weight is not None else router_weight, out, gate_out, M, H, E,
-        k_per_split, HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32, **launch)
+        k_per_split, HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32, PDL=pdl, **launch,
+        **_pdl.options(pdl))
     return out, n_splits

@@ -166,3 +166,38 @@ def test_direct_launch_matches_the_binder_path(M, monkeypatch):
 def test_facade_picks_triton_on_the_gpu(fresh_probe):
     choice = fresh_probe.choose("moe_block", "cuda")
     assert choice.backend == "triton", choice.reason
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("M", [1, 3, 16, 64, 1024])
+def test_programmatic_dependent_launch_gives_the_same_bits(M, shape, monkeypatch):
+    """QWEN35_MOE_PDL=1 (each launch starting while the one before finishes; the down GEMM prefetching its weights
+    first; the default at one token) against 0: the bits of the ordinary launches, eagerly over several inputs back
+    to back (a read of a result before it is complete would show) and replayed from a CUDA graph."""
+    from kernels_triton import moe
+    from kernels_triton.moe import pdl
+
+    E, k, H, _ = SHAPES[shape]
+    w = _weights(shape, torch.bfloat16)
+    xs = [_x(M, H, torch.bfloat16, seed=10 + i) for i in range(4)]
+    monkeypatch.setenv(pdl.ENV, "0")
+    want = [moe.moe_block(x, top_k=k, **w) for x in xs]
+    monkeypatch.setenv(pdl.ENV, "1")
+    assert pdl.enabled(xs[0]) == (torch.cuda.get_device_capability()[0] >= 9)
+    for _ in range(3):
+        got = [moe.moe_block(x, top_k=k, **w) for x in xs]
+        assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True)), "PDL changed the output"
+    x = xs[0].clone()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe.moe_block(x, top_k=k, **w)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        captured = moe.moe_block(x, top_k=k, **w)
+    for i in (1, 2, 3, 0):
+        x.copy_(xs[i])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want[i]), f"graph replay {i} differs"

@@ -1,0 +1,75 @@
+"""Programmatic dependent launch (PDL, sm_90+) for the MoE block's launches: at one token by default.
+
+A launch with PDL may start while the launch before it is still running; its programs first wait for that launch
+to finish (``griddepcontrol.wait``: its results complete and visible), then let the next launch start
+(``griddepcontrol.launch_dependents``). So each launch's start-up overlaps its predecessor's tail, and a launch
+can begin work that does not depend on its predecessor before waiting: the down GEMM prefetches its weight tiles
+into L2 while the gate_up GEMM finishes (the alignment it reads them by is two launches back, finished by the
+time any down program runs: every gate_up program waited for it before letting down start).
+
+Every kernel launched this way waits before it reads or writes anything a launch before it touches. H200, whole
+block by graph replay, same bits (tuning/results/moe_pdl_nvidia_h200.json): one token 26.85 -> 25.24 µs (35B-A3B),
+28.02 -> 25.86 (397B-TP8); from 4 tokens on slower (35B M=16 176 -> 183, TP8 M=64 323 -> 350: the down GEMM's early
+prefetches and programs compete with the gate_up's weight stream). So the default is PDL for one token on sm_90+;
+``QWEN35_MOE_PDL=1`` / ``0`` turns it on at every size / off. The CPU interpreter never takes this path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+ENV = "QWEN35_MOE_PDL"
+
+
+@functools.lru_cache(maxsize=16)
+def _sm90(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def enabled(x: torch.Tensor) -> bool:
+    """Whether the MoE launches for the tokens ``x`` use PDL: on a CUDA device of sm_90+, for one token unless
+    ``QWEN35_MOE_PDL`` says ``1`` (every size) or ``0`` (never)."""
+    if not x.is_cuda:
+        return False
+    env = os.environ.get(ENV)
+    if env == "0" or (env != "1" and x.shape[0] != 1):
+        return False
+    return _sm90(x.device.index)
+
+
+def options(on: bool) -> dict:
+    """Launch options: ``launch_pdl`` when on (a compile option: the kernels then wait as :func:`enter` does)."""
+    return {"launch_pdl": True} if on else {}
+
+
+@triton.jit
+def enter(PDL: tl.constexpr):
+    """First thing a kernel launched with PDL does: wait for the launch before it, then let the next one start."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_rows_l2(base, row0, n_rows, row_len, ROWS: tl.constexpr, LINES: tl.constexpr,
+                     LINE_ELEMS: tl.constexpr):
+    """Prefetch rows ``row0 .. row0 + ROWS`` (of ``n_rows``, each ``row_len`` elements) into L2, one 128-byte line
+    per request (``LINE_ELEMS`` elements; ``LINES`` lines cover a row). Out-of-range rows and lines are clamped to
+    the last valid ones: a repeated prefetch costs nothing, and no address outside the tensor is touched."""
+    r = tl.minimum(row0 + tl.arange(0, ROWS), n_rows - 1).to(tl.int64)
+    c = tl.minimum(tl.arange(0, LINES) * LINE_ELEMS, row_len - 1)
+    ptrs = base + r[:, None] * row_len + c[None, :]
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+def prefetch_lines(row_len: int, elem_bytes: int) -> tuple[int, int]:
+    """(LINES, LINE_ELEMS) for :func:`prefetch_rows_l2`: 128-byte lines covering a row, padded to a power of two."""
+    line_elems = 128 // elem_bytes
+    return triton.next_power_of_2(max(1, -(-row_len // line_elems))), line_elems
