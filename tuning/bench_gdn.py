@@ -382,7 +382,9 @@ SWEEP_PREFILL_N["27B-TP1 8x4096"] = ("27B-TP1", [4096] * 8)
 
 
 # Set p: the split scan's pipeline depth (BV 16; 4 stages take 143 KB of shared memory, each more ~35 KB) where
-# the heuristic splits (<= 16 pairs, sequences >= 1024 tokens).
+# the heuristic splits (<= 16 pairs, sequences >= 1024 tokens). (Also timed in session 8 and not kept: the output
+# kernel recomputing V' = U - W S_c so the scan stores only the chunk states: scan 0.460 -> 0.437 ms, output 0.104
+# -> 0.170 at 397B-TP8 1x32768; gdn_sweep_s8q_nvidia_h200.json. Storing the states is most of the split's cost.)
 SWEEP_PREFILL_P = {k: SWEEP_PREFILL_M[k] for k in ("397B-TP8 1x32768", "27B-TP4 1x32768", "397B-TP8 1x8192",
                                                   "27B-TP4 1x8192", "397B-TP8 2x8192")}
 BOTH_VARIANTS_P = [{"scan": None}] + [{"scan": {"BV": 16, "num_warps": 4, "num_stages": st, "SPLIT": True}}
