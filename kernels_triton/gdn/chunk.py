@@ -955,8 +955,10 @@ def gdn_chunk_prefill(
     if prepare_config is not None or scan_config is not None:
         plan = plan._replace_configs(dev, q.dtype, prepare_config, scan_config)
 
-    single_bv = min(_pow2(V), 64)  # 64: narrower would be of the miscompiled class for bf16 (_miscompiled_scan)
-    copies = _cdiv(V, single_bv) if single else 1  # the single-launch kernel's programs each have their own
+    # V blocks of the single-launch and output kernels; 64: narrower would be of the miscompiled class for bf16
+    # (_miscompiled_scan)
+    wide_bv = min(_pow2(V), 64)
+    copies = _cdiv(V, wide_bv) if single else 1  # the single-launch kernel's programs each have their own
     ws = torch.empty(copies * HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
     work = not single and num_chunks > 0 and T > 0
     if work:
@@ -983,8 +985,8 @@ def gdn_chunk_prefill(
         Kc, Vc, BKC, BVC, C = plan.prepare_consts
         _launch_single((N * HV, copies), (q, k, v, g, beta, a, b, A_log, dt_bias, ws, o, cu_seqlens, h0, ht,
                                            state_slots, has_initial_state, T, scale, pool_slot_stride,
-                                           HV * T * plan.ws_row, H, HV, gate_stride, Kc, Vc, BKC, min(BVC, single_bv),
-                                           plan.scan_consts[2], single_bv, C, varlen, a is not None, use_qk_l2norm,
+                                           HV * T * plan.ws_row, H, HV, gate_stride, Kc, Vc, BKC, min(BVC, wide_bv),
+                                           plan.scan_consts[2], wide_bv, C, varlen, a is not None, use_qk_l2norm,
                                            h0 is not None, ht is not None, pool, has_initial_state is not None,
                                            *plan.prepare_flags),
                        plan.single_options)
@@ -1001,8 +1003,8 @@ def gdn_chunk_prefill(
                       h0 is not None, ht is not None, pool, has_initial_state is not None, plan.dot_prec, split),
                      plan.scan_options)
     if split:
-        bv = min(_pow2(V), 64)
-        _launch_output((num_chunks * HV, _cdiv(V, bv)), (q, ws, states, o, bounds, T, H, HV, K, V, plan.scan_consts[2],
-                                                         bv, CHUNK, varlen, plan.dot_prec),
+        _launch_output((num_chunks * HV, _cdiv(V, wide_bv)), (q, ws, states, o, bounds, T, H, HV, K, V,
+                                                              plan.scan_consts[2], wide_bv, CHUNK, varlen,
+                                                              plan.dot_prec),
                        {"num_warps": 4, "num_stages": 1})
     return o, final

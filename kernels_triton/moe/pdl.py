@@ -16,7 +16,6 @@ prefetches and programs compete with the gate_up's weight stream). So the defaul
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
@@ -24,12 +23,9 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kernels_triton._config import device_facts
+
 ENV = "QWEN35_MOE_PDL"
-
-
-@functools.lru_cache(maxsize=16)
-def _sm90(index: int | None) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def enabled(x: torch.Tensor) -> bool:
@@ -40,7 +36,7 @@ def enabled(x: torch.Tensor) -> bool:
     env = os.environ.get(ENV)
     if env == "0" or (env != "1" and x.shape[0] != 1):
         return False
-    return _sm90(x.device.index)
+    return device_facts(x.device)[2] >= (9, 0)
 
 
 def options(on: bool) -> dict:
