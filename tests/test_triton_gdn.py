@@ -89,7 +89,11 @@ def test_prefill_initial_state_tensor_and_final(decay):
     assert ht.dtype == torch.float32
 
 
-@pytest.mark.parametrize("variant", [{"DIAG_BY_PRODUCT": True}, {"DIAG_ROWS": 8}, {"DIAG_ROWS": 4}])
+@pytest.mark.parametrize("variant", [{"DIAG_BY_PRODUCT": True}, {"DIAG_ROWS": 8}, {"DIAG_ROWS": 4},
+                                     {"DIAG_ROWS": 4, "BLOCK_INV": 1}, {"DIAG_ROWS": 4, "BLOCK_INV": 2},
+                                     {"DIAG_ROWS": 8, "BLOCK_INV": 2}, {"DIAG_ROWS": 16, "BLOCK_INV": 2},
+                                     {"DIAG_ROWS": 4, "BLOCK_INV": 1, "SCALE_K": True},
+                                     {"DIAG_ROWS": 4, "BLOCK_INV": 0, "SCALE_K": True}])
 def test_prefill_diagonal_inverse_variants(variant):
     """The tuning variants of the diagonal inverse (the finite series on 16-row blocks; substitution on 8- or
     4-row blocks and more merges) agree with the reference, also for strongly correlated keys (all-positive,
@@ -324,6 +328,45 @@ def test_decode_step_pool(dtype, T, stream):
     assert torch.all(o[1] == 0), "padding row must have zero output"
     for s in (1, 3, 4):
         assert torch.equal(ours_pool[s], pool[s]), f"slot {s} was not named but changed"
+
+
+def test_decode_step_pdl_choice(monkeypatch):
+    """Programmatic dependent launch: never off a CUDA device of sm_90+ (the interpreter has no griddepcontrol),
+    whatever a config or QWEN35_GDN_PDL asks; a partial step_config ({"PDL": ...}) keeps the heuristic's blocks
+    (the same result as none); a QWEN35_GDN_PDL other than 1 / 0 / unset is refused by name."""
+    from kernels_triton import _pdl
+    from kernels_triton.gdn import recurrent
+
+    cpu = torch.device("cpu")
+    for env in ("1", "0", ""):
+        monkeypatch.setenv(recurrent.PDL_ENV, env)
+        assert not recurrent._use_pdl(cpu, {"PDL": True}) and not recurrent._use_pdl(cpu, {})
+    monkeypatch.setattr(_pdl, "device_facts", lambda device: ("some GPU", 132, (9, 0)))
+    cuda = torch.device("cuda", 0)
+    assert recurrent._use_pdl(cuda, {"PDL": False}) is False and recurrent._use_pdl(cuda, {"PDL": True})
+    monkeypatch.delenv(recurrent.PDL_ENV)
+    assert recurrent._use_pdl(cuda, {})  # the default on sm_90+
+    monkeypatch.setenv(recurrent.PDL_ENV, "0")
+    assert not recurrent._use_pdl(cuda, {})
+    monkeypatch.setenv(recurrent.PDL_ENV, "1")
+    assert recurrent._use_pdl(cuda, {})
+    monkeypatch.setenv(recurrent.PDL_ENV, "yes")
+    with pytest.raises(ValueError, match="QWEN35_GDN_PDL='yes'"):
+        recurrent._use_pdl(cuda, {})
+    monkeypatch.setattr(_pdl, "device_facts", lambda device: ("older GPU", 80, (8, 0)))
+    monkeypatch.setenv(recurrent.PDL_ENV, "1")
+    assert not recurrent._use_pdl(cuda, {"PDL": True})
+    monkeypatch.delenv(recurrent.PDL_ENV)
+
+    B, H, HV, K, V = 3, 2, 4, 16, 16
+    d = gdn_inputs(1, H, HV, K, V, device=DEV, raw=True, batch=(B,), seed=8)
+    pool = (torch.randn(4, HV, K, V, generator=torch.Generator().manual_seed(9)) * 0.1).to(DEV)
+    slots = torch.tensor([3, -1, 1], dtype=torch.int32, device=DEV)
+    outs = []
+    for cfg in (None, {"PDL": False}):
+        p = pool.clone()
+        outs.append((kt.gdn_recurrent_step(**d, state_pool=p, state_slots=slots, step_config=cfg), p))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_rows_beyond_one_grid_dimension(monkeypatch):
@@ -636,6 +679,8 @@ def test_diagonal_rows_outside_the_accepted_set_are_refused():
     for bad in ({"DIAG_ROWS": 2}, {"DIAG_ROWS": 8, "DIAG_BY_PRODUCT": True}):
         with pytest.raises(ValueError, match="DIAG_ROWS"):
             kt.gdn_chunk_prefill(**d, prepare_config={"num_warps": 4, "num_stages": 1, **bad})
+    with pytest.raises(ValueError, match="BLOCK_INV=3"):
+        kt.gdn_chunk_prefill(**d, prepare_config={"num_warps": 4, "num_stages": 1, "BLOCK_INV": 3})
 
 
 def test_default_diagonal_inverse_is_fp32_exact(monkeypatch):
@@ -651,6 +696,8 @@ def test_default_diagonal_inverse_is_fp32_exact(monkeypatch):
             flags, _ = chunk._prepare_config(torch.device("cuda"), dtype)
             assert not (flags["DIAG_BY_PRODUCT"] and flags["EXACT_PREC"] == "tf32"), dtype
             assert flags["DIAG_ROWS"] == diag_rows, (cc, dtype)  # 4-row blocks only where the merges are tf32
+            four = diag_rows == 4  # measured with 4-row blocks
+            assert flags["BLOCK_INV"] == (1 if four else 0) and flags["SCALE_K"] == four, (cc, dtype)
     chunk._prepare_config.cache_clear()
 
 

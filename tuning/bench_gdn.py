@@ -391,12 +391,40 @@ BOTH_VARIANTS_P = [{"scan": None}] + [{"scan": {"BV": 16, "num_warps": 4, "num_s
                                       for st in (5, 6)]
 
 
+# Set i: the prepare's inverse with its merges on the diagonal blocks only (BLOCK_INV 1: the merges inside 16-row
+# blocks as one batch of [C/16, 16, 16] products; 2: every merge, 32 -> 64 on the quadrants) against four full
+# 64-row tf32 merges (2.1 M multiply-adds per chunk and head, ~35 % of the kernel in set f), whole kernel and
+# truncated after the inverse (STOP 3), and the variants' accuracy on the hard keys. First run
+# (gdn_sweep_s9i_nvidia_h200.json): BLOCK_INV 1 1.306 -> 1.092 ms at 27B-TP1 8x4096 (inverse phase 0.46 -> 0.22),
+# the same output to every digit; BLOCK_INV 2 slower (1.547: its reshuffles between layouts cost more than the
+# products it saves). Second run: SCALE_K (W = (T diag(beta)) (diag(exp(g) / |k|) K): one T operand for the W and
+# U products, half the spills) on top of BLOCK_INV 1, and both truncated after W (STOP 4).
+SWEEP_PREFILL_I = dict(SWEEP_PREFILL_F)
+SWEEP_PREFILL_I["35B-A3B-TP1 1x32768"] = ("35B-A3B-TP1", [32768])
+# (gdn_sweep_s9i2_nvidia_h200.json: 1.090 -> 1.057 ms at 27B-TP1 8x4096, 0.739 -> 0.715 at 35B 1x32768; the
+# 184-register cap slower.) Third run (gdn_sweep_s9i3_nvidia_h200.json), code since removed: one program per (chunk,
+# key head) for its HV / H value heads, the q / k products and norms once: ~850 bytes of spills at the 168 cap and
+# slower at every cap (27B-TP1 8x4096 1.083 -> 1.828 / 1.597 / 1.281 ms at caps 168 / 200 / none; 397B-TP8 1x32768
+# 0.189 -> 0.216 at best). These rows: the default against the full-tile merges and SCALE_K off.
+SWEEP_PREFILL_I["397B-TP8 1x32768"] = ("397B-TP8", [32768])
+PREPARE_VARIANTS_I = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra} for extra in (
+    {}, {"BLOCK_INV": 0, "SCALE_K": False}, {"SCALE_K": False}, {"STOP": 3}, {"STOP": 4}, {"maxnreg": 128},
+    {"maxnreg": 152})]
+
+
+# Set q: the decode step launched with programmatic dependent launch (each step's start-up overlapping the one
+# before; kernels_triton._pdl) against without, on the heuristic's blocks, through CUDA graphs.
+DECODE_SWEEP_Q = [(h, B) for h in ("27B-TP1", "27B-TP4", "35B-A3B-TP1", "397B-TP8") for B in (1, 8, 32, 128, 512)]
+DECODE_VARIANTS_Q = [{"PDL": False}, {"PDL": True}]
+
+
 # Sets that sweep one phase: set -> (phase, its variants).
 ONE_PHASE_SETS = {"c": ("prepare", PREPARE_VARIANTS_C), "d": ("decode", DECODE_VARIANTS_D),
                   "e": ("scan", SCAN_VARIANTS_E), "f": ("prepare", PREPARE_VARIANTS_F),
                   "h": ("prepare", PREPARE_VARIANTS_H), "m": ("both", BOTH_VARIANTS_M),
                   "n": ("both", BOTH_VARIANTS_M),
-                  "p": ("both", BOTH_VARIANTS_P)}
+                  "p": ("both", BOTH_VARIANTS_P), "i": ("prepare", PREPARE_VARIANTS_I),
+                  "q": ("decode", DECODE_VARIANTS_Q)}
 
 
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
@@ -492,14 +520,16 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
     if args.sweep_set in ("b", "c"):
         sweep_b(args, rows, deadline, save)
         return
-    if args.sweep_set == "d":
-        sweep_decode(rows, deadline, DECODE_SWEEP_D, DECODE_VARIANTS_D, save)
+    if args.sweep_set in ("d", "q"):
+        shapes, variants = (DECODE_SWEEP_D, DECODE_VARIANTS_D) if args.sweep_set == "d" else (DECODE_SWEEP_Q,
+                                                                                               DECODE_VARIANTS_Q)
+        sweep_decode(rows, deadline, shapes, variants, save)
         return
     shapes = {"e": SWEEP_PREFILL_E, "f": SWEEP_PREFILL_F, "h": SWEEP_PREFILL_F, "m": SWEEP_PREFILL_M,
-              "n": SWEEP_PREFILL_N, "p": SWEEP_PREFILL_P}
+              "n": SWEEP_PREFILL_N, "p": SWEEP_PREFILL_P, "i": SWEEP_PREFILL_I}
     if args.sweep_set in shapes:
         _sweep_prefill(rows, deadline, shapes[args.sweep_set], all_variants(args.sweep_set), save)
-        if args.sweep_set in ("f", "h"):  # prepare variants: their accuracy too
+        if args.sweep_set in ("f", "h", "i"):  # prepare variants: their accuracy too
             accuracy = [c for _, c in all_variants(args.sweep_set) if "STOP" not in c and c.get("maxnreg") == 168]
             prepare_variant_errors(rows, save, accuracy)
             prepare_variant_errors(rows, save, accuracy, hard=True)
@@ -611,12 +641,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds after start beyond which FLA prefill anchors are not run (autotune is slow)")
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
-    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h", "m", "n", "p"),
+    parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h", "i", "m", "n", "p",
+                                                              "q"),
                         help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
                              "d: decode blocks with and without streaming cache hints; e: scan V blocks at 35B; "
                              "f: prepare time by phase (truncations) and variants of its default; "
                              "h: its column blocks; m: the output split from the scan; "
-                             "n: set m at four shapes (for DISABLE_MMA_V3 runs); p: the split scan's stages")
+                             "n: set m at four shapes (for DISABLE_MMA_V3 runs); p: the split scan's stages; "
+                             "i: the inverse's merges on its diagonal blocks; q: the decode step with PDL")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")

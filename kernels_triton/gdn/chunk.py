@@ -280,6 +280,97 @@ def _unit_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr, DIAG_BY_PROD
 
 
 @triton.jit
+def _diag_blocks(M, C: tl.constexpr, B: tl.constexpr):
+    """The ``C / B`` diagonal ``[B, B]`` blocks of a ``[C, C]`` tile, as one ``[C / B, B, B]`` tensor."""
+    NB: tl.constexpr = C // B
+    M4 = tl.permute(tl.reshape(M, (NB, B, NB, B)), (0, 2, 1, 3))  # [row block, col block, B, B]
+    b = tl.arange(0, NB)
+    same = (b[:, None] == b[None, :])[:, :, None, None]
+    return tl.sum(tl.where(same, M4, 0.0), axis=1)
+
+
+@triton.jit
+def _block_diag(Xb, C: tl.constexpr, B: tl.constexpr):
+    """The block-diagonal ``[C, C]`` tile whose diagonal blocks are ``Xb`` ``[C / B, B, B]`` (zero elsewhere)."""
+    NB: tl.constexpr = C // B
+    b = tl.arange(0, NB)
+    same = (b[:, None] == b[None, :])[:, :, None, None]
+    X4 = tl.where(same, tl.broadcast_to(Xb[:, None, :, :], (NB, NB, B, B)), 0.0)
+    return tl.reshape(tl.permute(X4, (0, 2, 1, 3)), (C, C))
+
+
+@triton.jit
+def _merge_batched(A, X, B: tl.constexpr, DOT_PREC: tl.constexpr, MERGE_DTYPE: tl.constexpr):
+    """:func:`_merge_blocks` on a batch of diagonal blocks ``A``, ``X`` ``[n, R, R]`` (R >= 16): inverse on
+    ``2B``-row blocks from ``B``-row ones inside each ``R``-row block. Only the blocks' own products are formed, not
+    the full tile's (a ``[C, C]`` merge spends ``C / R`` times the multiply-adds on zeros)."""
+    r = tl.arange(0, A.shape[1])
+    i = r[None, :, None]
+    j = r[None, None, :]
+    off = ((i // (2 * B)) == (j // (2 * B))) & ((i // B) != (j // B))
+    P = tl.dot(tl.where(off, A, 0.0).to(MERGE_DTYPE), X.to(MERGE_DTYPE), input_precision=DOT_PREC)
+    return X - tl.dot(X.to(MERGE_DTYPE), P.to(MERGE_DTYPE), input_precision=DOT_PREC)
+
+
+@triton.jit
+def _blocked_lower_inverse(A, C: tl.constexpr, DOT_PREC: tl.constexpr, MERGE_DTYPE: tl.constexpr,
+                           DIAG_ROWS: tl.constexpr, LEVELS: tl.constexpr):
+    """:func:`_unit_lower_inverse`'s substitution and merges (same products, same precision) on the diagonal
+    blocks only. The ``DIAG_ROWS``-row substitution and the merges up to 16 rows run on the ``C / 16`` diagonal
+    16-row blocks as one batch; ``LEVELS`` 1 then merges 16 -> C on the full tile as before, ``LEVELS`` 2 merges
+    16 -> 32 on the 32-row diagonal blocks and 32 -> 64 on the quadrants (``T_21 = -T_22 A_21 T_11``: two 32-row
+    products). Tensor-core work of the inverse at C = 64: 4 full 64-row tf32 merges (2.1 M multiply-adds) ->
+    64 K + 1 M (LEVELS 1) or + 0.26 M (LEVELS 2); the price is the tiles' reshuffles between layouts."""
+    A16 = _diag_blocks(A, C, 16)
+    r = tl.arange(0, 16)
+    i = r[None, :, None]
+    j = r[None, None, :]
+    same_block = (i // DIAG_ROWS) == (j // DIAG_ROWS)
+    Ad = tl.where(same_block, A16, 0.0)
+    X = tl.where(i == j, 1.0, 0.0) + tl.zeros_like(A16)
+    sub = r % DIAG_ROWS
+    for p in tl.static_range(DIAG_ROWS - 1):  # as in _unit_lower_inverse, one batch of 16-row blocks
+        a_col = tl.sum(tl.where((sub == p)[None, None, :], Ad, 0.0), axis=2)
+        x_row = tl.sum(tl.where((sub == p)[None, :, None], X, 0.0), axis=1)
+        X = X - tl.where(same_block, a_col[:, :, None] * x_row[:, None, :], 0.0)
+    if DIAG_ROWS <= 4:
+        X = _merge_batched(A16, X, 4, DOT_PREC, MERGE_DTYPE)
+    if DIAG_ROWS <= 8:
+        X = _merge_batched(A16, X, 8, DOT_PREC, MERGE_DTYPE)
+    # (One return at the end: Triton builds the code after a constexpr-guarded return too.)
+    if C == 16:
+        T = tl.reshape(X, (C, C))
+    elif LEVELS == 1:
+        rows = tl.arange(0, C)
+        T = _block_diag(X, C, 16)
+        T = _merge_blocks(A, T, rows[:, None], rows[None, :], 16, DOT_PREC, MERGE_DTYPE)
+        if C > 32:
+            T = _merge_blocks(A, T, rows[:, None], rows[None, :], 32, DOT_PREC, MERGE_DTYPE)
+    else:
+        X32 = _diag_blocks(_block_diag(X, C, 16), C, 32)
+        X32 = _merge_batched(_diag_blocks(A, C, 32), X32, 16, DOT_PREC, MERGE_DTYPE)
+        if C == 32:
+            T = tl.reshape(X32, (C, C))
+        else:  # C = 64: T_21 = -T_22 A_21 T_11 on the 32-row quadrants
+            b = tl.arange(0, 2)
+            first = (b == 0)[:, None, None]
+            T11 = tl.sum(tl.where(first, X32, 0.0), axis=0)
+            T22 = tl.sum(tl.where(first, 0.0, X32), axis=0)
+            A4 = tl.permute(tl.reshape(A, (2, 32, 2, 32)), (0, 2, 1, 3))
+            lower_left = ((b[:, None] == 1) & (b[None, :] == 0))[:, :, None, None]
+            A21 = tl.sum(tl.sum(tl.where(lower_left, A4, 0.0), axis=1), axis=0)
+            P = tl.dot(A21.to(MERGE_DTYPE), T11.to(MERGE_DTYPE), input_precision=DOT_PREC)
+            T21 = -tl.dot(T22.to(MERGE_DTYPE), P.to(MERGE_DTYPE), input_precision=DOT_PREC)
+            b1 = b[:, None, None, None]
+            b2 = b[None, :, None, None]
+            X4 = tl.where((b1 == 0) & (b2 == 0), T11[None, None, :, :],
+                          tl.where((b1 == 1) & (b2 == 1), T22[None, None, :, :],
+                                   tl.where((b1 == 1) & (b2 == 0), T21[None, None, :, :], 0.0)))
+            T = tl.reshape(tl.permute(X4, (0, 2, 1, 3)), (C, C))
+    return T
+
+
+@triton.jit
 def _load_tile(base, row_stride, rmask, c0, D: tl.constexpr, BD: tl.constexpr):
     """Columns ``c0 .. c0 + BD`` (of ``D``) of the rows at ``base + r * row_stride``, 0 outside ``rmask``.
 
@@ -305,10 +396,12 @@ def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr
                    u_lo, u_hi, T, scale, H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr, BKC: tl.constexpr,
                    BVC: tl.constexpr, C: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
                    DOT_PREC: tl.constexpr, EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr,
-                   LOWP_MERGE: tl.constexpr, DIAG_ROWS: tl.constexpr, STOP: tl.constexpr):
+                   LOWP_MERGE: tl.constexpr, DIAG_ROWS: tl.constexpr, STOP: tl.constexpr, BLOCK_INV: tl.constexpr = 0,
+                   SCALE_K: tl.constexpr = False):
     """Phase 1 for the non-empty chunk ``[start, end)`` (at most C tokens) of value head ``hv``: its workspace rows
     (W, U, Aqk, g and the row scales; see the module docstring), U only in columns ``u_lo .. u_hi``. STOP: see
-    ``_chunk_prepare_kernel``."""
+    ``_chunk_prepare_kernel``. (One body on purpose: split into helpers for the scores and the W / U phase, the
+    kernel built with more spills and ran 2 % slower on the H200, gdn_sweep_s9i3.)"""
     h = hv // (HV // H)
     rows = tl.arange(0, C)
     t = (start + rows).to(tl.int64)
@@ -362,18 +455,28 @@ def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr
     if STOP == 2:
         _store_tile(u_ptr + head_row * V, V, tmask, 0, V, C, A)
         return
-    Tinv = _unit_lower_inverse(A, C, DOT_PREC, DIAG_BY_PRODUCT, EXACT_PREC,
-                               ws_dtype if LOWP_MERGE else tl.float32, DIAG_ROWS)
+    if BLOCK_INV and not DIAG_BY_PRODUCT:
+        Tinv = _blocked_lower_inverse(A, C, DOT_PREC, ws_dtype if LOWP_MERGE else tl.float32, DIAG_ROWS, BLOCK_INV)
+    else:
+        Tinv = _unit_lower_inverse(A, C, DOT_PREC, DIAG_BY_PRODUCT, EXACT_PREC,
+                                   ws_dtype if LOWP_MERGE else tl.float32, DIAG_ROWS)
     if STOP == 3:
         _store_tile(u_ptr + head_row * V, V, tmask, 0, V, C, Tinv)
         return
 
     # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V, in column blocks (k, v re-read from L1/L2).
-    tw = (Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype)
+    # SCALE_K: W = (T diag(beta)) (diag(exp(g) / |k|) K), one T operand for both products.
     tu = (Tinv * beta[None, :]).to(ws_dtype)
-    for c0 in tl.range(0, K, BKC):
-        k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
-        _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tw, k, input_precision=DOT_PREC))
+    if SCALE_K:
+        ks = tl.exp(g) * rk
+        for c0 in tl.range(0, K, BKC):
+            k = (_load_tile(k_base, H * K, tmask, c0, K, BKC).to(tl.float32) * ks[:, None]).to(ws_dtype)
+            _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tu, k, input_precision=DOT_PREC))
+    else:
+        tw = (Tinv * (beta * tl.exp(g) * rk)[None, :]).to(ws_dtype)
+        for c0 in tl.range(0, K, BKC):
+            k = _load_tile(k_base, H * K, tmask, c0, K, BKC).to(ws_dtype)
+            _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tw, k, input_precision=DOT_PREC))
     if STOP == 4:
         return
     for c0 in tl.range(u_lo, u_hi, BVC):
@@ -407,7 +510,7 @@ def _chunk_prepare_kernel(
     BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
     EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
-    DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0,
+    DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0, BLOCK_INV: tl.constexpr = 0, SCALE_K: tl.constexpr = False,
 ):
     # STOP (timing only, never a default): 1-4 end the program after phase 1-4 (raw products and gating; scores and
     # A; the inverse; W), storing that phase's result where U / Aqk would go so the compiler keeps the work; the
@@ -419,7 +522,7 @@ def _chunk_prepare_kernel(
     if end > start:
         _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, ws_ptr, start, end,
                        hv, 0, V, T, scale, H, HV, gate_stride, K, V, BKC, BVC, C, RAW_GATING, USE_L2, DOT_PREC,
-                       EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP)
+                       EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP, BLOCK_INV, SCALE_K)
 
 
 @triton.jit
@@ -602,7 +705,7 @@ def _chunk_single_kernel(
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
     STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr, HAS_INIT_FLAGS: tl.constexpr,
     DOT_PREC: tl.constexpr, EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr, LOWP_MERGE: tl.constexpr,
-    DIAG_ROWS: tl.constexpr, STOP: tl.constexpr,
+    DIAG_ROWS: tl.constexpr, STOP: tl.constexpr, BLOCK_INV: tl.constexpr, SCALE_K: tl.constexpr,
 ):
     """Both phases in one launch for a batch whose sequences fit one chunk each (T <= C; the host checks): one
     program per (sequence, value head, V block) prepares the chunk (U in its own V block only) into its own copy of
@@ -617,7 +720,8 @@ def _chunk_single_kernel(
     if end > start:
         _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, ws_ptr, start, end,
                        hv, vb * BV, tl.minimum(vb * BV + BV, V), T, scale, H, HV, gate_stride, K, V, BKC, BVC, C,
-                       RAW_GATING, USE_L2, DOT_PREC, EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP)
+                       RAW_GATING, USE_L2, DOT_PREC, EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP,
+                       BLOCK_INV, SCALE_K)
     tl.debug_barrier()  # the workspace rows the program's threads wrote are read back by the others below
     h = hv // (HV // H)
     w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
@@ -753,7 +857,7 @@ def _shared_memory_per_block(device: torch.device) -> int:
 
 
 # prepare_config keys that are kernel flags (the rest are launch options)
-PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS", "STOP")
+PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS", "STOP", "BLOCK_INV", "SCALE_K")
 PREPARE_BLOCKS = ("BKC", "BVC")  # prepare_config keys that set its column blocks (prepare_consts)
 
 
@@ -770,6 +874,14 @@ def _prepare_config(device: torch.device, dtype: torch.dtype) -> tuple[dict, dic
     GPUs (no tf32) keep 16-row substitution. bf16 also caps registers at 168 (3 CTAs per SM instead of 2:
     1.93 against 2.15 ms with 16-row blocks; no difference with 4-row blocks).
 
+    With 4-row blocks the substitution and the merges up to 16 rows run on the four diagonal 16-row blocks as one
+    batch (``BLOCK_INV`` 1, :func:`_blocked_lower_inverse`): the same products without the full tile's zeros. H200
+    (tuning/results/gdn_sweep_s9i_nvidia_h200.json): 27B-TP1 8x4096 1.306 -> 1.092 ms, 35B 1x32768 0.881 -> 0.735,
+    27B-TP4 1x32768 0.334 -> 0.279, the output the same to every printed digit (hard keys too). Not ``BLOCK_INV`` 2
+    (the 32- and 64-row merges on their blocks too): the reshuffles between layouts cost more than it saves (1.547).
+    With them ``SCALE_K``: ``W = (T diag(beta)) (diag(e^g / |k|) K)``, one T operand for the W and U products
+    (gdn_sweep_s9i2: 1.090 -> 1.057 ms at 27B-TP1 8x4096, half the spills; output error the same or lower).
+
     Not the product series in plain tf32 dots (``DIAG_BY_PRODUCT`` with ``EXACT_PREC="tf32"``), although
     it measured 1.45 ms: ``(I - N)(I + N^2)(I + N^4)(I + N^8)`` builds large intermediate products that
     cancel, and tf32 operands do not survive the cancellation when keys are strongly correlated and
@@ -778,8 +890,9 @@ def _prepare_config(device: torch.device, dtype: torch.dtype) -> tuple[dict, dic
     budget. With fp32-accurate dots (tf32x3) the series is accurate but no faster than substitution.
     """
     tf32 = device_facts(device)[2] >= (8, 0)
+    four_rows = tf32 and dtype in (torch.bfloat16, torch.float16)
     flags = {"DIAG_BY_PRODUCT": False, "LOWP_MERGE": False, "EXACT_PREC": "tf32x3" if tf32 else "ieee",
-             "DIAG_ROWS": 4 if tf32 and dtype in (torch.bfloat16, torch.float16) else 16}
+             "DIAG_ROWS": 4 if four_rows else 16, "BLOCK_INV": 1 if four_rows else 0, "SCALE_K": four_rows}
     options = {"num_warps": 4, "num_stages": 1}
     if dtype == torch.bfloat16 and tf32:
         options["maxnreg"] = 168
@@ -802,10 +915,13 @@ def _prepare_flags(dot_prec: str, flags: dict) -> tuple:
     if flags["DIAG_ROWS"] not in (4, 8, 16) or (flags["DIAG_BY_PRODUCT"] and flags["DIAG_ROWS"] != 16):
         raise ValueError(f"prepare_config DIAG_ROWS={flags['DIAG_ROWS']}: accepted 4, 8 or 16 (16 with "
                          "DIAG_BY_PRODUCT)")
+    if flags.get("BLOCK_INV", 0) not in (0, 1, 2):
+        raise ValueError(f"prepare_config BLOCK_INV={flags['BLOCK_INV']}: accepted 0 (merges on the full tile), 1 "
+                         "(merges up to 16 rows on the diagonal blocks) or 2 (every merge on its blocks)")
     if flags.get("STOP", 0) not in (0, 1, 2, 3, 4):
         raise ValueError(f"prepare_config STOP={flags['STOP']}: accepted 0 (the whole kernel) to 4 (timing only)")
     return (dot_prec, flags["EXACT_PREC"], flags["DIAG_BY_PRODUCT"], flags["LOWP_MERGE"], flags["DIAG_ROWS"],
-            flags.get("STOP", 0))
+            flags.get("STOP", 0), flags.get("BLOCK_INV", 0), bool(flags.get("SCALE_K", False)))
 
 
 class _Plan(NamedTuple):
@@ -965,8 +1081,7 @@ def gdn_chunk_prefill(
         # Phase 1: everything that does not need the running state, all chunks in parallel. Launched before the
         # other allocations: the GPU starts on it while the host does them.
         _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV,
-                                             gate_stride,
-                                             *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
+                                             gate_stride, *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
                                              *plan.prepare_flags),
                         plan.prepare_options)
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev) if out is None else out

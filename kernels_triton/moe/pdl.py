@@ -16,14 +16,13 @@ prefetches and programs compete with the gate_up's weight stream). So the defaul
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from kernels_triton._config import device_facts
+from kernels_triton._pdl import enter, env_choice, options, supported
+
+__all__ = ["ENV", "enabled", "enter", "options", "prefetch_lines", "prefetch_rows_l2"]
 
 ENV = "QWEN35_MOE_PDL"
 
@@ -33,23 +32,10 @@ def enabled(x: torch.Tensor) -> bool:
     ``QWEN35_MOE_PDL`` says ``1`` (every size) or ``0`` (never)."""
     if not x.is_cuda:
         return False
-    env = os.environ.get(ENV)
-    if env == "0" or (env != "1" and x.shape[0] != 1):
+    forced = env_choice(ENV)
+    if forced is False or (forced is None and x.shape[0] != 1):
         return False
-    return device_facts(x.device)[2] >= (9, 0)
-
-
-def options(on: bool) -> dict:
-    """Launch options: ``launch_pdl`` when on (a compile option: the kernels then wait as :func:`enter` does)."""
-    return {"launch_pdl": True} if on else {}
-
-
-@triton.jit
-def enter(PDL: tl.constexpr):
-    """First thing a kernel launched with PDL does: wait for the launch before it, then let the next one start."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
+    return supported(x.device)
 
 
 @triton.jit

@@ -205,11 +205,16 @@ PREPARE_VARIANTS = {  # the tuning variants of the prepare kernel (see tuning/be
     "diag_rows_8": {"DIAG_ROWS": 8},
     "diag_rows_4": {"DIAG_ROWS": 4},
     "columns_32": {"BKC": 32, "BVC": 32},
+    "blocked_merges_16": {"BLOCK_INV": 1},
+    "blocked_merges_all": {"BLOCK_INV": 2},
+    "blocked_merges_16_scale_k": {"BLOCK_INV": 1, "SCALE_K": True},
+    "full_merges": {"BLOCK_INV": 0, "SCALE_K": False},
 }
 # The product series in plain tf32 (DIAG_BY_PRODUCT with EXACT_PREC="tf32") is left out on purpose: it fails
 # the "hard" keys below (see kernels_triton.gdn.chunk._prepare_config).
 HARD_OK = ("default", "substitution_uncapped", "product_tf32x3", "diag_rows_8", "diag_rows_4",  # no cancelling
-           "columns_32")
+           "columns_32", "blocked_merges_16", "blocked_merges_all",
+           "blocked_merges_16_scale_k", "full_merges")
 
 
 @pytest.mark.parametrize("keys", ["positive", "hard"])
@@ -289,6 +294,49 @@ def test_decode_step_pool(dtype, T):
     assert_close(ours, ref_pool, TOL[dtype], f"decode pool {dtype}")
     assert torch.all(o[slots < 0] == 0)
     _check_untouched(ours, pool, slots)
+
+
+@pytest.mark.parametrize("B,T", [(1, 1), (8, 2), (128, 1), (512, 1)])
+def test_decode_step_pdl_gives_the_same_bits(B, T):
+    """The step launched with programmatic dependent launch (each launch starting while the one before finishes)
+    against without: the same output and pool bits over six steps back to back on the same slots (each reads the
+    states the one before wrote: a read before they are complete would show), eagerly and replayed from a CUDA
+    graph of the six steps."""
+    from kernels_triton.gdn import recurrent
+
+    H, HV, K, V = 4, 12, 128, 128
+    steps = [_gdn_inputs(T, H, HV, K, V, torch.bfloat16, seed=40 + i, lead=(B,)) for i in range(6)]
+    pool0 = _rand(torch.Generator(device=DEV).manual_seed(50), B + 3, HV, K, V, scale=0.1)
+    slots = torch.arange(B, dtype=torch.int32, device=DEV).flip(0) + 2
+    slots[B // 2] = -1
+
+    def run(pool: torch.Tensor, pdl: bool) -> list[torch.Tensor]:
+        return [kt.gdn_recurrent_step(**d, state_pool=pool, state_slots=slots, use_qk_l2norm=True,
+                                      step_config={"PDL": pdl}) for d in steps]
+
+    assert recurrent._use_pdl(pool0.device, {"PDL": True}) == (torch.cuda.get_device_capability()[0] >= 9)
+    want_pool = pool0.clone()
+    want = run(want_pool, False)
+    for _ in range(2):
+        pool = pool0.clone()
+        got = run(pool, True)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "PDL changed the output"
+        assert torch.equal(pool, want_pool), "PDL changed the pool"
+    pool = pool0.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run(pool, True)  # compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(pool, True)
+    for _ in range(2):
+        pool.copy_(pool0)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(g, w) for g, w in zip(captured, want, strict=True)), "graph replay differs"
+        assert torch.equal(pool, want_pool), "graph replay changed the pool differently"
 
 
 def test_decode_and_conv_update_capture_in_cuda_graph():
