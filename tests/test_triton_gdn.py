@@ -674,6 +674,20 @@ def test_kernels_build_for_hopper():
     assert_builds(_HOPPER_BUILD)
 
 
+def test_bf16_workspace_only_from_32_columns():
+    """bf16 prepare tiles of 16 columns are built wrong by Triton 3.6 (H200, session 9): bf16 with a head dim under
+    32 takes the fp32 workspace and tf32 dots, as fp16 does; every Qwen3.5 size (128) and the tiny models (32) keep
+    bf16."""
+    from kernels_triton.gdn import chunk
+
+    cpu = torch.device("cpu")
+    assert chunk.workspace_dtype(torch.bfloat16, cpu, 128, 128) == (torch.bfloat16, "tf32")
+    assert chunk.workspace_dtype(torch.bfloat16, cpu, 32, 32) == (torch.bfloat16, "tf32")
+    for K, V in ((16, 48), (32, 16), (16, 16)):
+        assert chunk.workspace_dtype(torch.bfloat16, cpu, K, V) == (torch.float32, "tf32"), (K, V)
+    assert chunk.workspace_dtype(torch.float16, cpu, 16, 16) == (torch.float32, "tf32")
+
+
 def test_diagonal_rows_outside_the_accepted_set_are_refused():
     d = _inputs([20], 1, 1, 16, 16, torch.float32)
     for bad in ({"DIAG_ROWS": 2}, {"DIAG_ROWS": 8, "DIAG_BY_PRODUCT": True}):

@@ -760,13 +760,22 @@ def check_head_dims(K: int, V: int) -> None:
         raise ValueError(f"triton GDN kernels take head dims K, V <= {MAX_HEAD_DIM}; got K={K}, V={V}")
 
 
-def workspace_dtype(dtype: torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
-    """(workspace / dot-operand dtype, dot input precision) for an activation dtype.
+BF16_MIN_HEAD_DIM = 32  # bf16 prepare tiles narrower than this many columns (64 bytes a row) are miscompiled
+
+
+def workspace_dtype(dtype: torch.dtype, device: torch.device, K: int = 128, V: int = 128) -> tuple[torch.dtype, str]:
+    """(workspace / dot-operand dtype, dot input precision) for an activation dtype and head dims.
 
     fp32 inputs get fp32-accurate dots: three tf32 passes on GPUs that have tf32 (``ieee`` FMA
-    dots need too many registers for these tiles), plain fp32 elsewhere.
+    dots need too many registers for these tiles), plain fp32 elsewhere. bf16 with a head dim under
+    ``BF16_MIN_HEAD_DIM`` takes the fp32 workspace (tf32 dots) as fp16 does: Triton 3.6 builds the one-stage
+    prepare kernel wrong on bf16 tiles of 16 columns (H200, session 9: K = 16 gave an illegal address at V = 16
+    and V = 48, and output errors of 0.01-1.1 with other flags, where the fp32 workspace gave 1.1e-3); no
+    Qwen3.5 size is near (K = V = 128), the tiny test models have 32.
     """
     if dtype == torch.bfloat16:
+        if min(K, V) < BF16_MIN_HEAD_DIM:
+            return torch.float32, "tf32"
         return torch.bfloat16, "tf32"
     if dtype == torch.float16:
         return torch.float32, "tf32"  # fp16 workspace could overflow; tf32 keeps fp16-level precision
@@ -975,7 +984,7 @@ class _Plan(NamedTuple):
 @_config.derived
 @functools.lru_cache(maxsize=1024)
 def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: int, per_seq: int) -> _Plan:
-    ws_dtype, dot_prec = workspace_dtype(dtype, device)
+    ws_dtype, dot_prec = workspace_dtype(dtype, device, K, V)
     BK, BV_full = _pow2(K), _pow2(V)
     flags, prepare_options = _split_prepare_config(device, dtype, None)
     scan = _scan_config(device, N, HV, K, V, per_seq, dtype)
