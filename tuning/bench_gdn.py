@@ -412,6 +412,9 @@ PREPARE_VARIANTS_I = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra}
     {"maxnreg": 152})]
 
 
+# (A set r, session 9: the split scan two chunks per step, chunk 2's V' rewritten on inputs alone, was 2.4x slower,
+# 0.459 -> 1.097 ms at 397B-TP8 1x32768 (255 registers and spills), and wrong in bf16; removed, results in
+# gdn_sweep_s9r_nvidia_h200.json.)
 # Set q: the decode step launched with programmatic dependent launch (each step's start-up overlapping the one
 # before; kernels_triton._pdl) against without, on the heuristic's blocks, through CUDA graphs.
 DECODE_SWEEP_Q = [(h, B) for h in ("27B-TP1", "27B-TP4", "35B-A3B-TP1", "397B-TP8") for B in (1, 8, 32, 128, 512)]

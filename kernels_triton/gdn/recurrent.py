@@ -11,8 +11,8 @@ Padding rows (slot < 0) write zero output and leave the pool alone. No host sync
 no value-dependent allocation: the launch is CUDA-graph capturable.
 
 On sm_90+ the step launches with programmatic dependent launch (:mod:`kernels_triton._pdl`): its programs are
-scheduled while the launch before is finishing and wait for it before touching anything (at one token the
-launch's start-up is a sixth of its time; ``QWEN35_GDN_PDL=0`` turns it off).
+scheduled while the launch before is finishing and wait for it before touching anything (at one token that
+start-up was 0.3-0.4 of 2.5-3.2 µs on the H200; ``QWEN35_GDN_PDL=0`` turns it off).
 """
 
 from __future__ import annotations
