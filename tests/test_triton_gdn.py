@@ -331,7 +331,7 @@ def test_decode_step_pool(dtype, T, stream):
 
 
 def test_decode_step_pdl_choice(monkeypatch):
-    """Programmatic dependent launch: never off a CUDA device of sm_90+ (the interpreter has no griddepcontrol),
+    """Programmatic dependent launch: only on a CUDA device of sm_90+ (the interpreter has no griddepcontrol),
     whatever a config or QWEN35_GDN_PDL asks; a partial step_config ({"PDL": ...}) keeps the heuristic's blocks
     (the same result as none); a QWEN35_GDN_PDL other than 1 / 0 / unset is refused by name."""
     from kernels_triton import _pdl

@@ -393,19 +393,17 @@ BOTH_VARIANTS_P = [{"scan": None}] + [{"scan": {"BV": 16, "num_warps": 4, "num_s
 
 # Set i: the prepare's inverse with its merges on the diagonal blocks only (BLOCK_INV 1: the merges inside 16-row
 # blocks as one batch of [C/16, 16, 16] products; 2: every merge, 32 -> 64 on the quadrants) against four full
-# 64-row tf32 merges (2.1 M multiply-adds per chunk and head, ~35 % of the kernel in set f), whole kernel and
-# truncated after the inverse (STOP 3), and the variants' accuracy on the hard keys. First run
-# (gdn_sweep_s9i_nvidia_h200.json): BLOCK_INV 1 1.306 -> 1.092 ms at 27B-TP1 8x4096 (inverse phase 0.46 -> 0.22),
-# the same output to every digit; BLOCK_INV 2 slower (1.547: its reshuffles between layouts cost more than the
-# products it saves). Second run: SCALE_K (W = (T diag(beta)) (diag(exp(g) / |k|) K): one T operand for the W and
-# U products, half the spills) on top of BLOCK_INV 1, and both truncated after W (STOP 4).
+# 64-row tf32 merges (2.1 M multiply-adds per chunk and head, ~35 % of the kernel in set f), and the variants'
+# accuracy on the hard keys. Runs (session 9, gdn_sweep_s9i*_nvidia_h200.json): (1) BLOCK_INV 1 1.306 -> 1.092 ms
+# at 27B-TP1 8x4096 (inverse phase 0.46 -> 0.22), the same output to every digit; BLOCK_INV 2 slower (1.547: its
+# reshuffles between layouts cost more than the products it saves). (2) SCALE_K (W = (T diag(beta)) (diag(exp(g) /
+# |k|) K): one T operand for the W and U products, half the spills) on top: 1.090 -> 1.057 ms, 0.739 -> 0.715 at 35B
+# 1x32768; a 184-register cap slower. (3) One program per (chunk, key head) for its HV / H value heads, the q / k
+# products and norms once (code since removed): ~850 bytes of spills at the 168 cap and slower at every cap
+# (27B-TP1 8x4096 1.083 -> 1.828 / 1.597 / 1.281 ms at caps 168 / 200 / none; 397B-TP8 1x32768 0.189 -> 0.216 at
+# best). (4) These rows: the default against the full-tile merges, SCALE_K off, truncations and other caps.
 SWEEP_PREFILL_I = dict(SWEEP_PREFILL_F)
 SWEEP_PREFILL_I["35B-A3B-TP1 1x32768"] = ("35B-A3B-TP1", [32768])
-# (gdn_sweep_s9i2_nvidia_h200.json: 1.090 -> 1.057 ms at 27B-TP1 8x4096, 0.739 -> 0.715 at 35B 1x32768; the
-# 184-register cap slower.) Third run (gdn_sweep_s9i3_nvidia_h200.json), code since removed: one program per (chunk,
-# key head) for its HV / H value heads, the q / k products and norms once: ~850 bytes of spills at the 168 cap and
-# slower at every cap (27B-TP1 8x4096 1.083 -> 1.828 / 1.597 / 1.281 ms at caps 168 / 200 / none; 397B-TP8 1x32768
-# 0.189 -> 0.216 at best). These rows: the default against the full-tile merges and SCALE_K off.
 SWEEP_PREFILL_I["397B-TP8 1x32768"] = ("397B-TP8", [32768])
 PREPARE_VARIANTS_I = [{"num_warps": 4, "num_stages": 1, "maxnreg": 168, **extra} for extra in (
     {}, {"BLOCK_INV": 0, "SCALE_K": False}, {"SCALE_K": False}, {"STOP": 3}, {"STOP": 4}, {"maxnreg": 128},
