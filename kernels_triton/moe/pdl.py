@@ -1,17 +1,15 @@
 """Programmatic dependent launch (PDL, sm_90+) for the MoE block's launches: at one token by default.
 
-A launch with PDL may start while the launch before it is still running; its programs first wait for that launch
-to finish (``griddepcontrol.wait``: its results complete and visible), then let the next launch start
-(``griddepcontrol.launch_dependents``). So each launch's start-up overlaps its predecessor's tail, and a launch
-can begin work that does not depend on its predecessor before waiting: the down GEMM prefetches its weight tiles
-into L2 while the gate_up GEMM finishes (the alignment it reads them by is two launches back, finished by the
-time any down program runs: every gate_up program waited for it before letting down start).
+The mechanism and the rule every kernel launched this way keeps (wait before touching anything a launch before it
+touches) are in :mod:`kernels_triton._pdl`. A launch can also begin work that does not depend on its predecessor
+before waiting: the down GEMM prefetches its weight tiles into L2 while the gate_up GEMM finishes (the alignment it
+reads them by is two launches back, finished by the time any down program runs: every gate_up program waited for
+it before letting down start).
 
-Every kernel launched this way waits before it reads or writes anything a launch before it touches. H200, whole
-block by graph replay, same bits (tuning/results/moe_pdl_nvidia_h200.json): one token 26.85 -> 25.24 µs (35B-A3B),
-28.02 -> 25.86 (397B-TP8); from 4 tokens on slower (35B M=16 176 -> 183, TP8 M=64 323 -> 350: the down GEMM's early
-prefetches and programs compete with the gate_up's weight stream). So the default is PDL for one token on sm_90+;
-``QWEN35_MOE_PDL=1`` / ``0`` turns it on at every size / off. The CPU interpreter never takes this path.
+H200, whole block by graph replay, same bits (tuning/results/moe_pdl_nvidia_h200.json): one token 26.85 -> 25.24 µs
+(35B-A3B), 28.02 -> 25.86 (397B-TP8); from 4 tokens on slower (35B M=16 176 -> 183, TP8 M=64 323 -> 350: the down
+GEMM's early prefetches and programs compete with the gate_up's weight stream). So the default is PDL for one token
+on sm_90+; ``QWEN35_MOE_PDL=1`` / ``0`` turns it on at every size / off. The CPU interpreter never takes this path.
 """
 
 from __future__ import annotations
