@@ -156,6 +156,80 @@ def test_split_output_gives_the_same_bits(lens, varlen, dtype):
                                                               "SPLIT": 1})
 
 
+@pytest.mark.parametrize("state", ["pool", "pool_no_init", "padded_slot", "tensor", "none", "no_cu_seqlens"])
+def test_split_scan_in_segments_gives_the_same_bits(state):
+    """scan_config SEGMENTS (one sequence's split scan in parts, the state carried between them in fp32; on a GPU the
+    parts' launches overlap on two streams) and SEG_PREPARE (the prepare in parts too): the same output and state bits
+    as one part, for every way a call's state comes in and goes out, with parts of one chunk and more parts asked
+    for than the sequence has chunks."""
+    H, HV, K, V, T = 1, 2, 32, 32, 300  # 5 chunks, the last one partial
+    d = _inputs([T], H, HV, K, V, torch.float32, seed=21)
+    cu = None if state == "no_cu_seqlens" else cu_from_lens([T], DEV)
+    pool = (torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(22)) * 0.1).to(DEV)
+    slots = torch.tensor([-1 if state == "padded_slot" else 2], dtype=torch.int32, device=DEV)
+    flags = torch.tensor([state != "pool_no_init"], device=DEV)
+    base = {"BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": True}
+
+    def run(cfg):  # noqa: ANN001, ANN202
+        p = pool.clone()
+        if state in ("pool", "pool_no_init", "padded_slot"):
+            o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, has_initial_state=flags,
+                                         use_qk_l2norm=True, scan_config=cfg)
+        else:
+            h0 = None if state == "none" else pool[:1]
+            o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                         use_qk_l2norm=True, scan_config=cfg)
+        return o, p if ht is None else ht
+
+    want = run(base)
+    for n, seg_prepare in ((2, False), (3, True), (5, False), (9, True)):
+        got = run(dict(base, SEGMENTS=n, SEG_PREPARE=seg_prepare))
+        assert torch.equal(got[0], want[0]), f"output, {n} segments, SEG_PREPARE={seg_prepare}"
+        assert torch.equal(got[1], want[1]), f"states, {n} segments, SEG_PREPARE={seg_prepare}"
+    if state == "padded_slot":
+        assert torch.equal(want[1], pool), "a padded slot's call wrote to the pool"
+    for bad, match in (({"SEGMENTS": 0}, "SEGMENTS=0"), ({"SEGMENTS": 2.0}, "SEGMENTS=2.0"),
+                       ({"SEG_PREPARE": 1}, "SEG_PREPARE=1")):
+        with pytest.raises(ValueError, match=match):
+            run(dict(base, **bad))
+
+
+def test_segments_apply_to_one_sequence_only(monkeypatch):
+    """A batch of several sequences runs its split scan in one part whatever SEGMENTS says (its parts would need
+    per-sequence chunk ranges): one scan launch."""
+    from kernels_triton.gdn import chunk
+
+    launched = []
+    real = chunk._launch_scan
+    monkeypatch.setattr(chunk, "_launch_scan", lambda *a: (launched.append(a[1][13:15]), real(*a)))
+    d = _inputs([150, 150], 1, 2, 32, 32, torch.float32, seed=23)
+    cu = cu_from_lens([150, 150], DEV)
+    kt.gdn_chunk_prefill(**d, cu_seqlens=cu, scan_config={"BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": True,
+                                                          "SEGMENTS": 3})
+    assert launched == [(0, 0)]
+    launched.clear()
+    d = _inputs([300], 1, 2, 32, 32, torch.float32, seed=23)
+    kt.gdn_chunk_prefill(**d, cu_seqlens=cu_from_lens([300], DEV), scan_config={
+        "BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": True, "SEGMENTS": 3})
+    assert launched == [(0, 2), (2, 4), (4, 5)]
+
+
+def test_segment_cuts():
+    """Segments cover the sequence's chunks in order, none empty; the last is half as long as the others (its output
+    has no scan part beside it), other ratios on request."""
+    from kernels_triton.gdn.chunk import segment_cuts
+
+    assert segment_cuts(512, 4) == [0, 146, 293, 439, 512]
+    assert segment_cuts(512, 2) == [0, 341, 512]
+    assert segment_cuts(512, 4, (1.0, 1.5, 0.75)) == [0, 108, 269, 431, 512]
+    for n in range(1, 40):
+        for parts in range(1, 9):
+            cuts = segment_cuts(n, parts)
+            assert cuts[0] == 0 and cuts[-1] == n, (n, parts)
+            assert all(a < b for a, b in zip(cuts[:-1], cuts[1:], strict=True)), (n, parts)
+            assert len(cuts) - 1 <= parts
+
+
 @pytest.mark.parametrize("K,V,H,HV", [(96, 96, 1, 3), (64, 64, 2, 4), (128, 128, 1, 1)])
 def test_prefill_column_blocks_and_groups(K, V, H, HV):
     """Head dims that take the 64-column block loops of the prepare kernel once, twice with a ragged
@@ -532,7 +606,8 @@ def test_scan_v_blocks_follow_the_sm_count(monkeypatch, pairs, sms, bv):
 def test_scan_splits_off_the_output_at_few_pairs(monkeypatch, smem, stages):
     """Up to 16 (sequence, head) pairs, sequences of >= 1024 tokens and V >= 64: the split scan (state path alone,
     output in a parallel launch; H200 session 8), BV 16, as many stages as the device's shared memory holds (sm_90
-    builds: bf16 108 / 143 KB at 3 / 4 stages, fp16 144 KB at 3, fp32 214 KB at 3); otherwise the one-pass scan."""
+    builds: bf16 108 / 143 KB at 3 / 4 stages, fp16 144 KB at 3, fp32 214 KB at 3); otherwise the one-pass scan.
+    One sequence of >= 16384 tokens also in parts (a part per 8192 tokens, at most 6; H200 session 10)."""
     from kernels_triton.gdn import chunk
 
     monkeypatch.setattr(chunk, "device_facts", lambda device: ("test-gpu", 132, (9, 0)))
@@ -543,12 +618,17 @@ def test_scan_splits_off_the_output_at_few_pairs(monkeypatch, smem, stages):
         for dtype, st in stages.items():
             for N, HV in ((1, 8), (1, 12), (2, 8), (4, 4)):
                 cfg = chunk._scan_config(dev, N, HV, 128, 128, 32768, dtype)
-                assert cfg == {"BV": 16, "num_warps": 4, "num_stages": st, "SPLIT": True}, (dtype, N, HV)
+                parts = 4 if N == 1 else 1
+                assert cfg == {"BV": 16, "num_warps": 4, "num_stages": st, "SPLIT": True, "SEGMENTS": parts,
+                               "SEG_PREPARE": parts > 1}, (dtype, N, HV)
+            for per_seq, parts in ((1024, 1), (8192, 1), (16384, 2), (65536, 6), (1 << 20, 6)):
+                assert chunk._scan_config(dev, 1, 8, 128, 128, per_seq, dtype)["SEGMENTS"] == parts, per_seq
             for args in ((1, 32, 128, 128, 32768), (3, 8, 128, 128, 8192), (1, 8, 128, 128, 512),
                          (1, 8, 128, 32, 8192)):
                 assert "SPLIT" not in chunk._scan_config(dev, *args, dtype), (dtype, args)
         plan = chunk._plan(dev, torch.bfloat16, 1, 8, 128, 128, 32768)
         assert plan.split and plan.scan_consts[3] == 16 and "SPLIT" not in plan.scan_options
+        assert plan.segments == 4 and plan.seg_prepare and "SEGMENTS" not in plan.scan_options
     finally:
         chunk._scan_config.cache_clear()
         chunk._plan.cache_clear()
@@ -633,10 +713,12 @@ for by_product, diag_rows in ((False, 16), (True, 16), (False, 4)):
                                            DOT_PREC="tf32", EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=by_product,
                                            LOWP_MERGE=False, DIAG_ROWS=diag_rows, g_ptr=None, beta_ptr=None),
          act, stages=1)
-for bv, stages, split in ((64, 3, False), (16, 3, False), (16, 4, True)):
+for bv, stages, split, part in ((64, 3, False, False), (16, 3, False, False), (16, 4, True, False),
+                               (16, 4, True, True)):
     sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
-                                        HAS_INIT_FLAGS=True, DOT_PREC="tf32", SPLIT=split),
-         dict(act, st_ptr="*bf16"), stages=stages)
+                                        HAS_INIT_FLAGS=True, DOT_PREC="tf32", SPLIT=split, PART=part,
+                                        CARRY_IN=part, CARRY_OUT=part),
+         dict(act, st_ptr="*bf16", carry_ptr="*fp32"), stages=stages)
 sm90(chunk._chunk_output_kernel, dict(dims, BK=128, BV=64, VARLEN=True, DOT_PREC="tf32"), dict(act, st_ptr="*bf16"),
      stages=1)
 sm90(chunk._chunk_single_kernel, dict(dims, BKC=64, BVC=64, BK=128, BV=64, VARLEN=True, RAW_GATING=True, USE_L2=True,
@@ -645,7 +727,8 @@ sm90(chunk._chunk_single_kernel, dict(dims, BKC=64, BVC=64, BK=128, BV=64, VARLE
                                       STOP=0, g_ptr=None, beta_ptr=None), act, stages=1)
 fp16 = dict(act, q_ptr="*fp16", k_ptr="*fp16", o_ptr="*fp16", ws_ptr="*fp32")
 sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=32, VARLEN=False, STATE_IN=False, STATE_OUT=True, POOL=False,
-                                    HAS_INIT_FLAGS=False, DOT_PREC="tf32", SPLIT=False, cu_ptr=None, h0_ptr=None,
+                                    HAS_INIT_FLAGS=False, DOT_PREC="tf32", SPLIT=False, PART=False, CARRY_IN=False,
+                                    CARRY_OUT=False, carry_ptr=None, cu_ptr=None, h0_ptr=None,
                                     slots_ptr=None, has_init_ptr=None, st_ptr=None), fp16)
 for stream in (False, True):
     sm90(recurrent._recurrent_step_kernel, dict(T=2, K=128, V=128, BK=128, BV=64, RAW_GATING=True, USE_L2=True,

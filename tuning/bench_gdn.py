@@ -419,13 +419,45 @@ DECODE_SWEEP_Q = [(h, B) for h in ("27B-TP1", "27B-TP4", "35B-A3B-TP1", "397B-TP
 DECODE_VARIANTS_Q = [{"PDL": False}, {"PDL": True}]
 
 
+# Set s: one long sequence of a split scan in parts (scan_config SEGMENTS): the scan parts in order on a
+# high-priority stream, part i's output kernel on the caller's stream beside scan part i + 1 (SEG_PREPARE: the
+# prepare in parts too, part i + 1's beside scan part i), the state carried between parts in fp32. At few pairs the
+# split scan holds 64-96 of the 132 SMs for 0.45 ms while the output (0.10-0.15 ms) and the prepare (0.18-0.27)
+# ran before / after it. Set t: the same at 32-48 pairs, where the one-pass scan is the default. Outcome (session 10,
+# gdn_sweep_s10s / s10t_nvidia_h200.json; the code changed after set s's run, see tuning/notes_gdn.md): parts with
+# their prepare beside the scan are the default for one sequence of >= 16384 tokens at <= 16 pairs; at 32-48 pairs
+# the split scan in parts stays slower than the one-pass scan.
+SWEEP_PREFILL_S = {k: SWEEP_PREFILL_M[k] for k in ("397B-TP8 1x32768", "27B-TP4 1x32768", "397B-TP8 1x8192",
+                                                  "27B-TP4 1x8192")}
+SWEEP_PREFILL_S["397B-TP8 1x65536"] = ("397B-TP8", [65536])
+_SPLIT_16 = {"BV": 16, "num_warps": 4, "num_stages": 4, "SPLIT": True}
+BOTH_VARIANTS_S = [{"scan": None}] + [{"scan": dict(_SPLIT_16, SEGMENTS=n, SEG_PREPARE=p)}
+                                      for n in (2, 4, 8) for p in (False, True)]
+SWEEP_PREFILL_T = {k: SWEEP_PREFILL_M[k] for k in ("35B-A3B-TP1 1x32768", "27B-TP1 1x32768")}
+BOTH_VARIANTS_T = [{"scan": None}] + [{"scan": {"BV": bv, "num_warps": 4, "num_stages": 3, "SPLIT": True,
+                                                "SEGMENTS": n, "SEG_PREPARE": p}}
+                                      for bv in (32, 64) for n, p in ((1, False), (4, False), (4, True), (8, True))]
+
+
+# Set u: the one-pass scan with the whole V width per program (BV 128: one program per (sequence, head) pair,
+# W / K / Q tiles loaded once per pair instead of once per 64-wide block) where there are many pairs and the 64-wide
+# scan runs several waves of one program per SM (27B-TP1 8x4096: 768 programs, ~6 waves). Outcome (session 10,
+# gdn_sweep_s10u_nvidia_h200.json): slower everywhere (27B-TP1 8x4096 0.813 -> 1.112 ms at 8 warps / 2 stages, 1.653
+# at 4 warps; 3 stages need 238.6 KB of shared memory); BV 64 at 8 warps slower too (1.091).
+SWEEP_PREFILL_U = {"27B-TP1 8x4096": ("27B-TP1", [4096] * 8), "35B-A3B-TP1 8x4096": ("35B-A3B-TP1", [4096] * 8),
+                   "27B-TP4 8x4096": ("27B-TP4", [4096] * 8), "27B-TP1 1x32768": ("27B-TP1", [32768])}
+SCAN_VARIANTS_U = [{"BV": bv, "num_warps": w, "num_stages": st} for bv, w, st in (
+    (64, 4, 3), (128, 8, 2), (128, 8, 3), (128, 4, 2), (64, 8, 3))]
+
+
 # Sets that sweep one phase: set -> (phase, its variants).
 ONE_PHASE_SETS = {"c": ("prepare", PREPARE_VARIANTS_C), "d": ("decode", DECODE_VARIANTS_D),
                   "e": ("scan", SCAN_VARIANTS_E), "f": ("prepare", PREPARE_VARIANTS_F),
                   "h": ("prepare", PREPARE_VARIANTS_H), "m": ("both", BOTH_VARIANTS_M),
                   "n": ("both", BOTH_VARIANTS_M),
                   "p": ("both", BOTH_VARIANTS_P), "i": ("prepare", PREPARE_VARIANTS_I),
-                  "q": ("decode", DECODE_VARIANTS_Q)}
+                  "q": ("decode", DECODE_VARIANTS_Q), "s": ("both", BOTH_VARIANTS_S), "t": ("both", BOTH_VARIANTS_T),
+                  "u": ("scan", SCAN_VARIANTS_U)}
 
 
 def all_variants(sweep_set: str = "a") -> list[tuple[str, dict]]:
@@ -455,8 +487,8 @@ def warm(index: int, sweep_set: str = "a") -> None:
     phase, cfg = all_variants(sweep_set)[index]
     if phase == "decode":
         _decode_fn(_decode_inputs(2, 2, 8), cfg)()
-    elif phase == "both":  # one sequence
-        d = _prefill_inputs([128], 2, 8)
+    elif phase == "both":  # one sequence of four chunks (segments: first, middle and last parts)
+        d = _prefill_inputs([256], 2, 8)
         _ours_prefill(d, kt.prepare_gdn_metadata(d["cu"]),
                       **{f"{part}_config": c for part, c in cfg.items() if c is not None})()
     else:
@@ -527,7 +559,8 @@ def sweep(args, rows: list[dict], deadline: float, save=lambda: None) -> None:
         sweep_decode(rows, deadline, shapes, variants, save)
         return
     shapes = {"e": SWEEP_PREFILL_E, "f": SWEEP_PREFILL_F, "h": SWEEP_PREFILL_F, "m": SWEEP_PREFILL_M,
-              "n": SWEEP_PREFILL_N, "p": SWEEP_PREFILL_P, "i": SWEEP_PREFILL_I}
+              "n": SWEEP_PREFILL_N, "p": SWEEP_PREFILL_P, "i": SWEEP_PREFILL_I, "s": SWEEP_PREFILL_S,
+              "t": SWEEP_PREFILL_T, "u": SWEEP_PREFILL_U}
     if args.sweep_set in shapes:
         _sweep_prefill(rows, deadline, shapes[args.sweep_set], all_variants(args.sweep_set), save)
         if args.sweep_set in ("f", "h", "i"):  # prepare variants: their accuracy too
@@ -573,6 +606,7 @@ def _sweep_prefill(rows: list[dict], deadline: float, shapes: dict, variants: li
                     "kernels_ms": {k: round(v, 4) for k, v in kernels.items()}})
                 if phase == "both":  # the call's time by events, gaps included (TEARDOWN_CUPTI=1 for clean ones)
                     rows[-1]["wall_ms"] = round(_bench.time_ms(fn), 4)
+                    rows[-1]["graph_ms"] = round(_bench.time_graph_ms(fn, calls_per_graph=5, rep=10), 4)
             except Exception as e:  # noqa: BLE001
                 rows.append({"sweep": phase, "shape": label, "config": cfg, "error": f"{type(e).__name__}: {e}"[:300]})
             print(rows[-1], flush=True)
@@ -643,13 +677,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sweep-deadline", type=float, default=1e9, help="seconds after start to stop the sweep")
     parser.add_argument("--tag", default="", help="inserted into the result file names (gdn_<tag>_<device>.json)")
     parser.add_argument("--sweep-set", default="a", choices=("a", "b", "c", "d", "e", "f", "h", "i", "m", "n", "p",
-                                                              "q"),
+                                                              "q", "s", "t", "u"),
                         help="a: first round; b: around its winner; c: exact diagonal inverses (8/4-row blocks); "
                              "d: decode blocks with and without streaming cache hints; e: scan V blocks at 35B; "
                              "f: prepare time by phase (truncations) and variants of its default; "
                              "h: its column blocks; m: the output split from the scan; "
                              "n: set m at four shapes (for DISABLE_MMA_V3 runs); p: the split scan's stages; "
-                             "i: the inverse's merges on its diagonal blocks; q: the decode step with PDL")
+                             "i: the inverse's merges on its diagonal blocks; q: the decode step with PDL; "
+                             "s / t: one sequence's split scan in overlapping parts at few / 32-48 pairs; "
+                             "u: the one-pass scan at BV 128")
     parser.add_argument("--sweep-only", action="store_true", help="with --sweep: stop after the sweep")
     parser.add_argument("--warm", type=int, default=None,
                         help="only compile variant N of the sweep (run several in parallel before a sweep)")

@@ -18,7 +18,9 @@ The WY/UT chunk form of :mod:`qwen35.reference.gdn` is split where its dependenc
    With at most 16 (sequence, head) pairs the scan is latency-bound and its output dots take half
    its time, so it walks the state path alone ("split"), leaving each chunk's starting state and V',
    and ``_chunk_output_kernel`` computes the output of all chunks in parallel (H200: 397B-TP8
-   1x32768 0.95 -> 0.79 ms).
+   1x32768 0.95 -> 0.79 ms). One such sequence of >= 16384 tokens runs in segments: the scan parts in order on
+   a high-priority stream, each part's prepare and output beside the scan of the part before / after it on
+   two other streams (H200, eager: 397B-TP8 1x32768 0.78 -> 0.69 ms, 27B-TP4 0.92 -> 0.79-0.83).
 
 A batch of at most ``CHUNK`` tokens (every sequence within one chunk: short prompts, where the host's launch
 cost dominates) runs both phases in one launch instead, ``_chunk_single_kernel``: one program per (sequence,
@@ -33,8 +35,10 @@ fp32 (``ieee``) for fp32 inputs.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import itertools
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -499,13 +503,13 @@ def _program_chunk(pid, HV, bounds_ptr, T, C: tl.constexpr, VARLEN: tl.constexpr
     return chunk, hv, start, end
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride"])  # one compile serves every length and head count
+@triton.jit(do_not_specialize=["T", "H", "HV", "gate_stride", "chunk_base"])  # one compile for every length, head count
 def _chunk_prepare_kernel(
     q_ptr, k_ptr, v_ptr,
     g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr,
     bounds_ptr,
     ws_ptr,
-    T, scale,
+    T, scale, chunk_base,
     H, HV, gate_stride, K: tl.constexpr, V: tl.constexpr,
     BKC: tl.constexpr, BVC: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -517,7 +521,8 @@ def _chunk_prepare_kernel(
     # benchmark times the truncations to split the kernel's time by phase (bench_gdn --sweep-set f).
     # Value heads vary fastest: the HV / H programs of one key head and chunk run side by side and
     # share their q / k rows through L2.
-    pid = tl.program_id(0)
+    # chunk_base: the first chunk of this launch (a sequence prepared in parts, see gdn_chunk_prefill's segments).
+    pid = tl.program_id(0) + chunk_base * HV
     chunk, hv, start, end = _program_chunk(pid, HV, bounds_ptr, T, C, VARLEN)
     if end > start:
         _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, ws_ptr, start, end,
@@ -630,18 +635,22 @@ def _sequence_bounds(cu_ptr, n, T, VARLEN: tl.constexpr):
     return start, end
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV", "NH"])
+@triton.jit(do_not_specialize=["T", "H", "HV", "NH", "chunk_lo", "chunk_hi"])
 def _chunk_scan_kernel(
     q_ptr, k_ptr, ws_ptr, o_ptr, st_ptr,
-    cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr,
-    T, pool_slot_stride,
+    cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr, carry_ptr,
+    T, pool_slot_stride, chunk_lo, chunk_hi,
     H, HV, NH, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
     HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr = False,
+    PART: tl.constexpr = False, CARRY_IN: tl.constexpr = False, CARRY_OUT: tl.constexpr = False,
 ):
     # SPLIT: the state path alone, the output left to _chunk_output_kernel; chunk states go to st_ptr [chunks, HV, K,
     # V] in the chunk table's order (sequences in order, ceil(len / C) chunks each).
+    # PART (one sequence scanned in parts, see gdn_chunk_prefill's segments): only chunks chunk_lo .. chunk_hi - 1 of
+    # the sequence; CARRY_IN / CARRY_OUT: the state before / after them is the fp32 [HV, K, V] tensor at carry_ptr
+    # instead of the initial / final state.
     vb = tl.program_id(0)
     nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (sequence, head) pairs: see grid_rows
     if nh >= NH:
@@ -651,29 +660,44 @@ def _chunk_scan_kernel(
     seq_start, seq_end = _sequence_bounds(cu_ptr, n, T, VARLEN)
     h = hv // (HV // H)
     w_ptr, u_ptr, aqk_ptr, gcum_ptr = _workspace(ws_ptr, T, HV, K, V, C)
-    S, slot = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV,
-                             STATE_IN, POOL, HAS_INIT_FLAGS)
+    if CARRY_IN:
+        S = _state_tile_io(carry_ptr, None, hv, vb, K, V, BK, BV, False)
+        slot = tl.full((), -1, dtype=tl.int64)
+        if POOL:
+            slot = tl.load(slots_ptr + n).to(tl.int64)
+    else:
+        S, slot = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV,
+                                 STATE_IN, POOL, HAS_INIT_FLAGS)
     row = tl.zeros((), dtype=tl.int64)  # SPLIT: the chunk's row in the chunk table
     if SPLIT & VARLEN:
         for m in range(0, n):
             row += (tl.load(cu_ptr + m + 1) - tl.load(cu_ptr + m) + C - 1) // C
-    for chunk_start in range(seq_start, seq_end, C):
+    first, stop = seq_start, seq_end
+    if PART:
+        row += chunk_lo
+        first = seq_start + chunk_lo.to(tl.int64) * C
+        stop = tl.minimum(seq_end, seq_start + chunk_hi.to(tl.int64) * C)
+    for chunk_start in range(first, stop, C):
         S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T, H, HV,
                         vb, K, V, BK, BV, C, DOT_PREC, SPLIT, st_ptr, row)
         row += 1
-    _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV, STATE_OUT, POOL)
+    if CARRY_OUT:
+        _state_tile_io(carry_ptr, S, hv, vb, K, V, BK, BV, True)
+    else:
+        _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV, STATE_OUT, POOL)
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV"])
+@triton.jit(do_not_specialize=["T", "H", "HV", "chunk_base"])
 def _chunk_output_kernel(
     q_ptr, ws_ptr, st_ptr, o_ptr, bounds_ptr,
-    T, H, HV, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+    T, H, HV, chunk_base, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """The output of a ``SPLIT`` scan, all chunks in parallel: ``O = (Q e^g) S_c + Aqk V'`` for V block
     ``program_id(1)`` of (chunk, value head) ``program_id(0)``, from the chunk's starting state ``S_c`` and ``V'``
-    the scan left (the same operands, rounded the same way, as the one-pass scan's output dots)."""
-    pid = tl.program_id(0)
+    the scan left (the same operands, rounded the same way, as the one-pass scan's output dots). ``chunk_base``: the
+    first chunk of this launch (segments)."""
+    pid = tl.program_id(0) + chunk_base * HV
     vb = tl.program_id(1)
     chunk, hv, start, end = _program_chunk(pid, HV, bounds_ptr, T, C, VARLEN)
     if end > start:
@@ -826,7 +850,15 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
         else:
             two, three = (110_000, 150_000) if dtype == torch.float16 else (150_000, 220_000)
             stages = 3 if smem >= three else 2 if smem >= two else 1
-        return {"BV": 16, "num_warps": 4, "num_stages": stages, "SPLIT": True}
+        # Session 10 (gdn_segments_s10_nvidia_h200.json, tuning/notes_gdn.md): one long sequence in parts, each part's
+        # prepare and output beside the scan of the part before / after (SEGMENTS, SEG_PREPARE). Graph replay, one
+        # part -> this rule: 397B-TP8 1x32768 0.75 -> 0.63-0.64 ms, 27B-TP4 0.87 -> 0.73-0.74, 1x65536 1.70 -> 1.40,
+        # 1x16384 0.39 -> 0.35; eager (events) 0.79-0.87 -> 0.69-0.76 at 397B-TP8 1x32768. A part costs the host
+        # ~100 µs of launches and events, so a part holds >= 8192 tokens (parts apply to one sequence only;
+        # gdn_chunk_prefill checks). At 32-48 pairs the split scan in parts loses to the one-pass scan (set t).
+        parts = max(1, min(6, per_seq // 8192)) if N == 1 else 1
+        return {"BV": 16, "num_warps": 4, "num_stages": stages, "SPLIT": True, "SEGMENTS": parts,
+                "SEG_PREPARE": parts > 1}
     if pairs >= 16:
         BV = 64 if 2 * pairs * _cdiv(V, 64) >= device_facts(device)[1] else 32
     else:
@@ -865,6 +897,8 @@ def _shared_memory_per_block(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
 
 
+# scan_config keys that are not launch options
+SCAN_KEYS = ("BV", "SPLIT", "SEGMENTS", "SEG_PREPARE")
 # prepare_config keys that are kernel flags (the rest are launch options)
 PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS", "STOP", "BLOCK_INV", "SCALE_K")
 PREPARE_BLOCKS = ("BKC", "BVC")  # prepare_config keys that set its column blocks (prepare_consts)
@@ -947,6 +981,8 @@ class _Plan(NamedTuple):
     scan_options: dict
     single_options: dict  # the single-launch kernel's: the prepare's without its register cap (few programs)
     split: bool = False  # the scan's state path alone, then the output of all chunks in parallel (scan_config SPLIT)
+    segments: int = 1  # one split sequence in this many parts, overlapping launches (scan_config SEGMENTS)
+    seg_prepare: bool = False  # segments: the prepare in parts too (scan_config SEG_PREPARE)
 
     def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
@@ -974,10 +1010,16 @@ class _Plan(NamedTuple):
                                  "(Triton 3.6 builds a wrong kernel for narrower blocks in one stage)")
             K, V, BK, _, C = plan.scan_consts
             split = scan_config.get("SPLIT", False)
-            if not isinstance(split, bool):
-                raise ValueError(f"scan_config SPLIT={split!r}: accepted True or False")
-            plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C), split=split,
-                                 scan_options={k: v for k, v in scan_config.items() if k not in ("BV", "SPLIT")})
+            segments = scan_config.get("SEGMENTS", 1)
+            seg_prepare = scan_config.get("SEG_PREPARE", False)
+            for name, value in (("SPLIT", split), ("SEG_PREPARE", seg_prepare)):
+                if not isinstance(value, bool):
+                    raise ValueError(f"scan_config {name}={value!r}: accepted True or False")
+            if type(segments) is not int or segments < 1:
+                raise ValueError(f"scan_config SEGMENTS={segments!r}: accepted an integer >= 1")
+            plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C), split=split, segments=segments,
+                                 seg_prepare=seg_prepare,
+                                 scan_options={k: v for k, v in scan_config.items() if k not in SCAN_KEYS})
         return plan
 
 
@@ -993,7 +1035,8 @@ def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: 
         prepare_consts=(K, V, min(BK, 64), min(BV_full, 64), CHUNK),
         prepare_flags=_prepare_flags(dot_prec, flags),
         prepare_options=prepare_options, scan_consts=(K, V, BK, scan["BV"], CHUNK),
-        scan_options={k: v for k, v in scan.items() if k not in ("BV", "SPLIT")}, split=scan.get("SPLIT", False),
+        scan_options={k: v for k, v in scan.items() if k not in SCAN_KEYS}, split=scan.get("SPLIT", False),
+        segments=scan.get("SEGMENTS", 1), seg_prepare=scan.get("SEG_PREPARE", False),
         single_options={k: v for k, v in prepare_options.items() if k != "maxnreg"})
 
 
@@ -1033,7 +1076,8 @@ def gdn_chunk_prefill(
     ``prepare_config`` (``num_warps``, ``num_stages`` (1 only), optionally ``maxnreg``, the column blocks
     ``BKC`` / ``BVC``, and the kernel flags ``DIAG_BY_PRODUCT``, ``LOWP_MERGE``, ``EXACT_PREC``, ``DIAG_ROWS``,
     ``STOP``) and ``scan_config`` (``BV``, ``num_warps``, ``num_stages``, ``SPLIT``: the output in a parallel
-    launch after the scan) override the launch configs of the
+    launch after the scan; with it, for one sequence, ``SEGMENTS``: that many overlapping parts, and ``SEG_PREPARE``:
+    the prepare in parts too) override the launch configs of the
     two phases; the benchmark times variants with them. Either one also turns off the single-launch path of
     batches of at most ``CHUNK`` tokens. Host cost matters here (short prompts at TP4/TP8): one workspace
     allocation, cached configs, and kernels launched through :class:`DirectLauncher`.
@@ -1086,13 +1130,16 @@ def gdn_chunk_prefill(
     copies = _cdiv(V, wide_bv) if single else 1  # the single-launch kernel's programs each have their own
     ws = torch.empty(copies * HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
     work = not single and num_chunks > 0 and T > 0
+    # One long sequence of a split scan in parts (segments): each part's output (and prepare) overlaps a scan part.
+    cuts = segment_cuts(num_chunks, plan.segments) if plan.split and work and N == 1 and plan.segments > 1 else None
     if work:
-        # Phase 1: everything that does not need the running state, all chunks in parallel. Launched before the
-        # other allocations: the GPU starts on it while the host does them.
-        _launch_prepare((num_chunks * HV,), (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, H, HV,
-                                             gate_stride, *plan.prepare_consts, varlen, a is not None, use_qk_l2norm,
-                                             *plan.prepare_flags),
-                        plan.prepare_options)
+        prepare_args = (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, 0, H, HV, gate_stride,
+                        *plan.prepare_consts, varlen, a is not None, use_qk_l2norm, *plan.prepare_flags)
+        # Phase 1: everything that does not need the running state, all chunks in parallel (in segments, with
+        # SEG_PREPARE: the first segment's chunks). Launched before the other allocations: the GPU starts on it
+        # while the host does them.
+        first = cuts[1] if cuts is not None and plan.seg_prepare else num_chunks
+        _launch_prepare((first * HV,), prepare_args, plan.prepare_options)
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev) if out is None else out
     pool = state_pool is not None
     final = None
@@ -1120,15 +1167,149 @@ def gdn_chunk_prefill(
     # chunks' starting states and V' written instead, and the output computed from them with all chunks in parallel).
     split = plan.split and work
     states = torch.empty(num_chunks, HV, K, V, dtype=plan.ws_dtype, device=dev) if split else None
+    scan_args = (q, k, ws, o, states, cu_seqlens, h0, ht, state_slots, has_initial_state, None, T, pool_slot_stride,
+                 0, 0, H, HV, N * HV, *plan.scan_consts, varlen, h0 is not None, ht is not None, pool,
+                 has_initial_state is not None, plan.dot_prec, split, False, False, False)
+    output_args = (q, ws, states, o, bounds, T, H, HV, 0, K, V, plan.scan_consts[2], wide_bv, CHUNK, varlen,
+                   plan.dot_prec) if split else ()
+    if cuts is not None and len(cuts) > 2:
+        _scan_in_parts(plan, cuts, HV, prepare_args, scan_args, output_args)
+        return o, final
     if N > 0:
-        _launch_scan(plan.scan_grid(N, HV),
-                     (q, k, ws, o, states, cu_seqlens, h0, ht, state_slots, has_initial_state, T,
-                      pool_slot_stride, H, HV, N * HV, *plan.scan_consts, varlen,
-                      h0 is not None, ht is not None, pool, has_initial_state is not None, plan.dot_prec, split),
-                     plan.scan_options)
+        _launch_scan(plan.scan_grid(N, HV), scan_args, plan.scan_options)
     if split:
-        _launch_output((num_chunks * HV, _cdiv(V, wide_bv)), (q, ws, states, o, bounds, T, H, HV, K, V,
-                                                              plan.scan_consts[2], wide_bv, CHUNK, varlen,
-                                                              plan.dot_prec),
-                       {"num_warps": 4, "num_stages": 1})
+        _launch_output((num_chunks * HV, _cdiv(V, wide_bv)), output_args, _OUTPUT_OPTIONS)
     return o, final
+
+
+_OUTPUT_OPTIONS = {"num_warps": 4, "num_stages": 1}
+_scan_streams: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+_thread = threading.local()  # .events: device index -> raw event handles (per thread: calls from two threads at once
+# must not re-record each other's events between a record and its wait)
+
+
+@functools.cache
+def _cuda_driver() -> ctypes.CDLL:
+    """The driver's event calls, for the few µs torch's Python wrappers add to each (a call in parts makes up to
+    three per part); event and stream handles are the runtime's, which the driver shares."""
+    lib = ctypes.CDLL("libcuda.so.1")
+    lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+    lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    return lib
+
+
+def _order(rc: int) -> None:
+    if rc:
+        raise RuntimeError(f"CUDA driver error {rc} ordering the parts of a segmented GDN scan")
+
+
+def _record(event: int, stream: int) -> None:
+    """Record raw event ``event`` on raw stream ``stream``."""
+    _order(_cuda_driver().cuEventRecord(event, stream))
+
+
+def _wait(stream: int, event: int) -> None:
+    """Make raw stream ``stream`` wait for raw event ``event`` (a fork or a join, also under CUDA-graph capture)."""
+    _order(_cuda_driver().cuStreamWaitEvent(stream, event, 0))
+
+
+def _side_streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """The streams of a segmented scan's parts, one pair per device: (scan, prepare). The scan's at the highest
+    priority, so that a scan part's programs take free SM slots before pending prepare / output programs do."""
+    streams = _scan_streams.get(device.index)
+    if streams is None:
+        streams = _scan_streams[device.index] = (torch.cuda.Stream(device, priority=-100), torch.cuda.Stream(device))
+    return streams
+
+
+def _event(device: int, i: int) -> int:
+    """The i-th of device ``device``'s reusable events, a raw handle (a wait takes the event's state when it is
+    enqueued, so recording it again later, also in a later call, does not touch waits already enqueued)."""
+    if not hasattr(_thread, "events"):
+        _thread.events = {}
+    events = _thread.events.setdefault(device, [])
+    while len(events) <= i:
+        handle = ctypes.c_void_p()
+        with torch.cuda.device(device):  # the device's primary context, current for the driver call
+            _order(_cuda_driver().cuEventCreate(ctypes.byref(handle), 2))  # CU_EVENT_DISABLE_TIMING
+        events.append(handle.value)
+    return events[i]
+
+
+# Relative lengths of the first, middle and last segments (see segment_cuts)
+SEGMENT_WEIGHTS = (1.0, 1.0, 0.5)
+
+
+def segment_cuts(num_chunks: int, parts: int, weights: tuple[float, float, float] | None = None) -> list[int]:
+    """Chunk bounds of ``parts`` segments of a sequence, lengths in the ratio ``weights`` (first, every middle one,
+    last; default :data:`SEGMENT_WEIGHTS`): the last part's output has no scan part beside it, so it is shorter,
+    while part 1's prepare must finish beside scan part 0. Strictly increasing: fewer parts where the sequence has
+    too few chunks for them (no empty launch)."""
+    first, middle, last = SEGMENT_WEIGHTS if weights is None else weights
+    w = [first] + [middle] * (parts - 2) + [last] if parts > 1 else [1.0]
+    total, acc, cuts = sum(w), 0.0, [0]
+    for x in w[:-1]:
+        acc += x
+        cuts.append(round(num_chunks * acc / total))
+    cuts.append(num_chunks)
+    return sorted(set(cuts))
+
+
+def _scan_in_parts(plan: _Plan, cuts: list[int], HV: int, prepare_args: tuple, scan_args: tuple,
+                   output_args: tuple) -> None:
+    """Phase 2 of one sequence in segments of whole chunks (bounds ``cuts``, :func:`segment_cuts`), after the
+    caller launched the prepare of every chunk or (``seg_prepare``) of the first segment's. On a GPU the scan parts
+    run in order on a high-priority stream; beside scan part i run, on the caller's stream, the output of part
+    i - 1 and, with ``seg_prepare``, on a third stream the prepares of the parts after it (each scan part waits for
+    its own). The state goes from part to part in an fp32 tensor. Launches are issued in the order the scan chain
+    needs them (a launch costs the host ~20 µs). The caller's stream ends after every part (events only: nothing
+    else to synchronise, and CUDA-graph capture sees forks and joins)."""
+    q = scan_args[0]
+    dev = q.device
+    parts = len(cuts) - 1
+    K, V = plan.scan_consts[0], plan.scan_consts[1]
+    carry = torch.empty(HV, K, V, dtype=torch.float32, device=dev)
+    gpu = dev.type == "cuda"
+    n_out = _cdiv(V, output_args[12])
+    grid = plan.scan_grid(1, HV)
+    if gpu:
+        d = dev.index
+        side, prep = _side_streams(dev)
+        main, raw_side, raw_prep = torch._C._cuda_getCurrentRawStream(d), side.cuda_stream, prep.cuda_stream
+        forked, prep_done = _event(d, 2 * parts), _event(d, 2 * parts + 1)
+        _record(forked, main)  # after the caller's work and the first prepare
+        _wait(raw_side, forked)
+        if plan.seg_prepare:
+            _wait(raw_prep, forked)
+
+    def prepare(i: int) -> None:
+        pa = prepare_args[:13] + (cuts[i],) + prepare_args[14:]
+        _launch_prepare(((cuts[i + 1] - cuts[i]) * HV,), pa, plan.prepare_options, prep if gpu else None)
+        if gpu:
+            _record(_event(d, parts + i), raw_prep)
+
+    def output(i: int) -> None:
+        if gpu:
+            _wait(main, _event(d, i))  # output part i (and the caller's later work) after scan part i
+        oa = output_args[:8] + (cuts[i],) + output_args[9:]
+        _launch_output(((cuts[i + 1] - cuts[i]) * HV, n_out), oa, _OUTPUT_OPTIONS)
+
+    for i in range(parts):
+        sa = (*scan_args[:10], carry, *scan_args[11:13], cuts[i], cuts[i + 1], *scan_args[15:-3], True, i > 0,
+              i < parts - 1)
+        if gpu:
+            if plan.seg_prepare and i > 0:
+                _wait(raw_side, _event(d, parts + i))  # scan part i after its prepare
+            _launch_scan(grid, sa, plan.scan_options, side)
+            _record(_event(d, i), raw_side)
+        else:
+            _launch_scan(grid, sa, plan.scan_options)
+        if plan.seg_prepare and i + 1 < parts:
+            prepare(i + 1)  # runs beside scan part i (issued after it: the host's launches lag the GPU at first)
+        if i > 0:
+            output(i - 1)
+    output(parts - 1)
+    if gpu and plan.seg_prepare:  # an explicit join of the prepare stream (graph capture wants every fork joined)
+        _record(prep_done, raw_prep)
+        _wait(main, prep_done)

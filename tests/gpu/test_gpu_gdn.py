@@ -43,6 +43,21 @@ def _gdn_inputs(T, H, HV, K, V, dtype, *, seed=0, raw=True, decay="normal", lead
     return d
 
 
+def _capture(fn, warm):  # noqa: ANN001, ANN202
+    """(CUDA graph of ``fn()``, what the captured call returned), after ``warm()`` on a side stream so that every
+    kernel is compiled outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    return graph, captured
+
+
 def _check_untouched(after: torch.Tensor, before: torch.Tensor, named: torch.Tensor) -> None:
     keep = torch.ones(before.shape[0], dtype=torch.bool, device=before.device)
     keep[named[named >= 0].long()] = False
@@ -138,6 +153,48 @@ def test_prefill_split_output(dtype, lens):
     _pool_prefill_vs_reference(lens, 2, 8, dtype, [N + 1 - i if i != 1 else -1 for i in range(N)],
                                [i % 2 == 0 for i in range(N)], seed=41,
                                scan_config={"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True})
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("seg_prepare", [False, True], ids=["prepare_whole", "prepare_in_parts"])
+def test_prefill_split_in_segments_same_bits_eager_and_graph(dtype, seg_prepare):
+    """scan_config SEGMENTS: one sequence's split scan in parts on a high-priority stream, each part's output (and
+    prepare) on the caller's stream beside the next scan part. The same output and pool bits as one part, eager and
+    replayed from a CUDA graph (the side stream forks from and joins the capture), three calls back to back; and the
+    fp64 reference's values."""
+    T, H, HV, K, V = 5000, 2, 8, 128, 128
+    d = _gdn_inputs(T, H, HV, K, V, dtype, seed=51)
+    cu = cu_from_lens([T], DEV)
+    pool = _rand(torch.Generator(device=DEV).manual_seed(52), 3, HV, K, V, scale=0.1)
+    slots = torch.tensor([1], dtype=torch.int32, device=DEV)
+    base = {"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True}
+    seg = dict(base, SEGMENTS=4, SEG_PREPARE=seg_prepare)
+
+    def call(p, cfg):  # noqa: ANN001, ANN202
+        return kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, use_qk_l2norm=True,
+                                    scan_config=cfg)[0]
+
+    want_pool = pool.clone()
+    want = [call(want_pool, base) for _ in range(3)]
+    got_pool = pool.clone()
+    got = [call(got_pool, seg) for _ in range(3)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "segmented output differs (eager)"
+    assert torch.equal(got_pool, want_pool), "segmented pool differs (eager)"
+
+    graph_pool = pool.clone()
+    graph, captured = _capture(lambda: [call(graph_pool, seg) for _ in range(3)],
+                               lambda: call(graph_pool.clone(), seg))
+    graph_pool.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, w) for g, w in zip(captured, want, strict=True)), "graph replay output differs"
+    assert torch.equal(graph_pool, want_pool), "graph replay pool differs"
+
+    ref_pool = pool.double()
+    ro, _ = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, state_pool=ref_pool, state_slots=slots,
+                                  use_qk_l2norm=True)
+    assert_close(got[0], ro, TOL[dtype], f"output {dtype}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -326,14 +383,7 @@ def test_decode_step_pdl_gives_the_same_bits(B, T):
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "PDL changed the output"
         assert torch.equal(pool, want_pool), "PDL changed the pool"
     pool = pool0.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run(pool, True)  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = run(pool, True)
+    graph, captured = _capture(lambda: run(pool, True), lambda: run(pool, True))
     for _ in range(2):
         pool.copy_(pool0)
         graph.replay()
