@@ -156,19 +156,20 @@ def test_split_output_gives_the_same_bits(lens, varlen, dtype):
                                                               "SPLIT": 1})
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one_pass"])
 @pytest.mark.parametrize("state", ["pool", "pool_no_init", "padded_slot", "tensor", "none", "no_cu_seqlens"])
-def test_split_scan_in_segments_gives_the_same_bits(state):
-    """scan_config SEGMENTS (one sequence's split scan in parts, the state carried between them in fp32; on a GPU the
-    parts' launches overlap on two streams) and SEG_PREPARE (the prepare in parts too): the same output and state bits
-    as one part, for every way a call's state comes in and goes out, with parts of one chunk and more parts asked
-    for than the sequence has chunks."""
+def test_scan_in_segments_gives_the_same_bits(state, split):
+    """scan_config SEGMENTS (one sequence's scan in parts, the state carried between them in fp32; on a GPU the
+    parts' launches overlap on three streams) and SEG_PREPARE (the prepare in parts too), for the split and the
+    one-pass scan: the same output and state bits as one part, for every way a call's state comes in and goes out,
+    with parts of one chunk and more parts asked for than the sequence has chunks."""
     H, HV, K, V, T = 1, 2, 32, 32, 300  # 5 chunks, the last one partial
     d = _inputs([T], H, HV, K, V, torch.float32, seed=21)
     cu = None if state == "no_cu_seqlens" else cu_from_lens([T], DEV)
     pool = (torch.randn(3, HV, K, V, generator=torch.Generator().manual_seed(22)) * 0.1).to(DEV)
     slots = torch.tensor([-1 if state == "padded_slot" else 2], dtype=torch.int32, device=DEV)
     flags = torch.tensor([state != "pool_no_init"], device=DEV)
-    base = {"BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": True}
+    base = {"BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": split}
 
     def run(cfg):  # noqa: ANN001, ANN202
         p = pool.clone()

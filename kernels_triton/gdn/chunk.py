@@ -870,6 +870,10 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
         stages = 3 if smem >= 210_000 else 2 if smem >= 145_000 else 1
     else:
         stages = 2 if smem >= 200_000 else 1
+    # (Session 10, gdn_segments_s10_nvidia_h200.json run 5: the one-pass scan of one sequence in parts, each part's
+    # prepare beside the scan part before it (scan_config SEGMENTS / SEG_PREPARE), timed 35B-A3B 1x32768 1.61 ->
+    # 1.45-1.53 ms by events, 27B-TP1 2.16 -> 1.86 at 3-4 parts. Not a default yet: its GPU correctness test,
+    # test_prefill_in_segments_same_bits_eager_and_graph[one_pass-*], has not run on a GPU; the interpreter's has.)
     return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages}, dtype, V)
 
 
@@ -1076,8 +1080,8 @@ def gdn_chunk_prefill(
     ``prepare_config`` (``num_warps``, ``num_stages`` (1 only), optionally ``maxnreg``, the column blocks
     ``BKC`` / ``BVC``, and the kernel flags ``DIAG_BY_PRODUCT``, ``LOWP_MERGE``, ``EXACT_PREC``, ``DIAG_ROWS``,
     ``STOP``) and ``scan_config`` (``BV``, ``num_warps``, ``num_stages``, ``SPLIT``: the output in a parallel
-    launch after the scan; with it, for one sequence, ``SEGMENTS``: that many overlapping parts, and ``SEG_PREPARE``:
-    the prepare in parts too) override the launch configs of the
+    launch after the scan; for one sequence, ``SEGMENTS``: the scan in that many parts, each part's output (split) and
+    with ``SEG_PREPARE`` its prepare beside the scan of the part before / after) override the launch configs of the
     two phases; the benchmark times variants with them. Either one also turns off the single-launch path of
     batches of at most ``CHUNK`` tokens. Host cost matters here (short prompts at TP4/TP8): one workspace
     allocation, cached configs, and kernels launched through :class:`DirectLauncher`.
@@ -1130,8 +1134,9 @@ def gdn_chunk_prefill(
     copies = _cdiv(V, wide_bv) if single else 1  # the single-launch kernel's programs each have their own
     ws = torch.empty(copies * HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
     work = not single and num_chunks > 0 and T > 0
-    # One long sequence of a split scan in parts (segments): each part's output (and prepare) overlaps a scan part.
-    cuts = segment_cuts(num_chunks, plan.segments) if plan.split and work and N == 1 and plan.segments > 1 else None
+    # One long sequence in parts (segments): each part's prepare (SEG_PREPARE) and output (split scans) run beside a
+    # scan part.
+    cuts = segment_cuts(num_chunks, plan.segments) if work and N == 1 and plan.segments > 1 else None
     if work:
         prepare_args = (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, 0, H, HV, gate_stride,
                         *plan.prepare_consts, varlen, a is not None, use_qk_l2norm, *plan.prepare_flags)
@@ -1261,17 +1266,17 @@ def _scan_in_parts(plan: _Plan, cuts: list[int], HV: int, prepare_args: tuple, s
     """Phase 2 of one sequence in segments of whole chunks (bounds ``cuts``, :func:`segment_cuts`), after the
     caller launched the prepare of every chunk or (``seg_prepare``) of the first segment's. On a GPU the scan parts
     run in order on a high-priority stream; beside scan part i run, on the caller's stream, the output of part
-    i - 1 and, with ``seg_prepare``, on a third stream the prepares of the parts after it (each scan part waits for
-    its own). The state goes from part to part in an fp32 tensor. Launches are issued in the order the scan chain
-    needs them (a launch costs the host ~20 µs). The caller's stream ends after every part (events only: nothing
-    else to synchronise, and CUDA-graph capture sees forks and joins)."""
+    i - 1 (split scans) and, with ``seg_prepare``, on a third stream the prepares of the parts after it (each scan
+    part waits for its own). The state goes from part to part in an fp32 tensor. Launches are issued in the order
+    the scan chain needs them (a launch costs the host ~20 µs). The caller's stream ends after every part (events
+    only: nothing else to synchronise, and CUDA-graph capture sees forks and joins)."""
     q = scan_args[0]
     dev = q.device
     parts = len(cuts) - 1
     K, V = plan.scan_consts[0], plan.scan_consts[1]
     carry = torch.empty(HV, K, V, dtype=torch.float32, device=dev)
     gpu = dev.type == "cuda"
-    n_out = _cdiv(V, output_args[12])
+    n_out = _cdiv(V, output_args[12]) if plan.split else 0
     grid = plan.scan_grid(1, HV)
     if gpu:
         d = dev.index
@@ -1292,8 +1297,9 @@ def _scan_in_parts(plan: _Plan, cuts: list[int], HV: int, prepare_args: tuple, s
     def output(i: int) -> None:
         if gpu:
             _wait(main, _event(d, i))  # output part i (and the caller's later work) after scan part i
-        oa = output_args[:8] + (cuts[i],) + output_args[9:]
-        _launch_output(((cuts[i + 1] - cuts[i]) * HV, n_out), oa, _OUTPUT_OPTIONS)
+        if plan.split:  # (the one-pass scan wrote the output itself)
+            oa = output_args[:8] + (cuts[i],) + output_args[9:]
+            _launch_output(((cuts[i + 1] - cuts[i]) * HV, n_out), oa, _OUTPUT_OPTIONS)
 
     for i in range(parts):
         sa = (*scan_args[:10], carry, *scan_args[11:13], cuts[i], cuts[i + 1], *scan_args[15:-3], True, i > 0,

@@ -157,17 +157,18 @@ def test_prefill_split_output(dtype, lens):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("seg_prepare", [False, True], ids=["prepare_whole", "prepare_in_parts"])
-def test_prefill_split_in_segments_same_bits_eager_and_graph(dtype, seg_prepare):
-    """scan_config SEGMENTS: one sequence's split scan in parts on a high-priority stream, each part's output (and
-    prepare) on the caller's stream beside the next scan part. The same output and pool bits as one part, eager and
-    replayed from a CUDA graph (the side stream forks from and joins the capture), three calls back to back; and the
-    fp64 reference's values."""
+@pytest.mark.parametrize("split", [True, False], ids=["split", "one_pass"])
+def test_prefill_in_segments_same_bits_eager_and_graph(dtype, seg_prepare, split):
+    """scan_config SEGMENTS: one sequence's scan in parts on a high-priority stream, each part's output (split
+    scans) and prepare (SEG_PREPARE) beside the scan of the part before / after on two other streams. The same output
+    and pool bits as one part, eager and replayed from a CUDA graph (the side streams fork from and join the
+    capture), three calls back to back; and the fp64 reference's values."""
     T, H, HV, K, V = 5000, 2, 8, 128, 128
     d = _gdn_inputs(T, H, HV, K, V, dtype, seed=51)
     cu = cu_from_lens([T], DEV)
     pool = _rand(torch.Generator(device=DEV).manual_seed(52), 3, HV, K, V, scale=0.1)
     slots = torch.tensor([1], dtype=torch.int32, device=DEV)
-    base = {"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True}
+    base = {"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": split}
     seg = dict(base, SEGMENTS=4, SEG_PREPARE=seg_prepare)
 
     def call(p, cfg):  # noqa: ANN001, ANN202
