@@ -156,8 +156,8 @@ def test_split_output_gives_the_same_bits(lens, varlen, dtype):
                                                               "SPLIT": 1})
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["split", "one_pass"])
-@pytest.mark.parametrize("state", ["pool", "pool_no_init", "padded_slot", "tensor", "none", "no_cu_seqlens"])
+@pytest.mark.parametrize("state,split", [(s, True) for s in ("pool", "pool_no_init", "padded_slot", "tensor", "none",
+                                                              "no_cu_seqlens")] + [("pool", False), ("tensor", False)])
 def test_scan_in_segments_gives_the_same_bits(state, split):
     """scan_config SEGMENTS (one sequence's scan in parts, the state carried between them in fp32; on a GPU the
     parts' launches overlap on three streams) and SEG_PREPARE (the prepare in parts too), for the split and the
