@@ -1136,7 +1136,8 @@ def gdn_chunk_prefill(
     work = not single and num_chunks > 0 and T > 0
     # One long sequence in parts (segments): each part's prepare (SEG_PREPARE) and output (split scans) run beside a
     # scan part.
-    cuts = segment_cuts(num_chunks, plan.segments) if work and N == 1 and plan.segments > 1 else None
+    cuts = (segment_cuts(num_chunks, plan.segments)
+            if work and N == 1 and plan.segments > 1 and (dev.type != "cuda" or _cuda_driver() is not None) else None)
     if work:
         prepare_args = (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, 0, H, HV, gate_stride,
                         *plan.prepare_consts, varlen, a is not None, use_qk_l2norm, *plan.prepare_flags)
@@ -1194,13 +1195,19 @@ _thread = threading.local()  # .events: device index -> raw event handles (per t
 
 
 @functools.cache
-def _cuda_driver() -> ctypes.CDLL:
+def _cuda_driver() -> ctypes.CDLL | None:
     """The driver's event calls, for the few µs torch's Python wrappers add to each (a call in parts makes up to
-    three per part); event and stream handles are the runtime's, which the driver shares."""
-    lib = ctypes.CDLL("libcuda.so.1")
-    lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
-    lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
-    lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    three per part); event and stream handles are the runtime's, which the driver shares. None where there is no
+    such driver (a HIP build, a runtime without ``libcuda``): calls then run in one part."""
+    if torch.version.hip is not None:
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuEventCreate.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_uint]
+        lib.cuEventRecord.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+        lib.cuStreamWaitEvent.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint]
+    except (OSError, AttributeError):
+        return None
     return lib
 
 
