@@ -202,7 +202,8 @@ def test_segments_apply_to_one_sequence_only(monkeypatch):
 
     launched = []
     real = chunk._launch_scan
-    monkeypatch.setattr(chunk, "_launch_scan", lambda *a: (launched.append(a[1][13:15]), real(*a)))
+    at = chunk._SCAN_BOUNDS  # chunk_lo, chunk_hi
+    monkeypatch.setattr(chunk, "_launch_scan", lambda *a: (launched.append(a[1][at:at + 2]), real(*a)))
     d = _inputs([150, 150], 1, 2, 32, 32, torch.float32, seed=23)
     cu = cu_from_lens([150, 150], DEV)
     kt.gdn_chunk_prefill(**d, cu_seqlens=cu, scan_config={"BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": True,

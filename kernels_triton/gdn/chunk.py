@@ -1268,6 +1268,20 @@ def segment_cuts(num_chunks: int, parts: int, weights: tuple[float, float, float
     return sorted(set(cuts))
 
 
+def _with(args: tuple, at: int, *values) -> tuple:  # noqa: ANN002
+    """``args`` with ``len(values)`` of its entries from index ``at`` on replaced by ``values``."""
+    return (*args[:at], *values, *args[at + len(values):])
+
+
+# Where the per-part arguments sit in the launches' positional argument tuples (from the kernels' signatures).
+_PREPARE_BASE = _chunk_prepare_kernel.arg_names.index("chunk_base")
+_SCAN_CARRY = _chunk_scan_kernel.arg_names.index("carry_ptr")
+_SCAN_BOUNDS = _chunk_scan_kernel.arg_names.index("chunk_lo")  # chunk_lo, chunk_hi
+_SCAN_PART = _chunk_scan_kernel.arg_names.index("PART")  # PART, CARRY_IN, CARRY_OUT
+_OUTPUT_BASE = _chunk_output_kernel.arg_names.index("chunk_base")
+_OUTPUT_BV = _chunk_output_kernel.arg_names.index("BV")
+
+
 def _scan_in_parts(plan: _Plan, cuts: list[int], HV: int, prepare_args: tuple, scan_args: tuple,
                    output_args: tuple) -> None:
     """Phase 2 of one sequence in segments of whole chunks (bounds ``cuts``, :func:`segment_cuts`), after the
@@ -1283,7 +1297,7 @@ def _scan_in_parts(plan: _Plan, cuts: list[int], HV: int, prepare_args: tuple, s
     K, V = plan.scan_consts[0], plan.scan_consts[1]
     carry = torch.empty(HV, K, V, dtype=torch.float32, device=dev)
     gpu = dev.type == "cuda"
-    n_out = _cdiv(V, output_args[12]) if plan.split else 0
+    n_out = _cdiv(V, output_args[_OUTPUT_BV]) if plan.split else 0
     grid = plan.scan_grid(1, HV)
     if gpu:
         d = dev.index
@@ -1296,7 +1310,7 @@ def _scan_in_parts(plan: _Plan, cuts: list[int], HV: int, prepare_args: tuple, s
             _wait(raw_prep, forked)
 
     def prepare(i: int) -> None:
-        pa = prepare_args[:13] + (cuts[i],) + prepare_args[14:]
+        pa = _with(prepare_args, _PREPARE_BASE, cuts[i])
         _launch_prepare(((cuts[i + 1] - cuts[i]) * HV,), pa, plan.prepare_options, prep if gpu else None)
         if gpu:
             _record(_event(d, parts + i), raw_prep)
@@ -1305,12 +1319,12 @@ def _scan_in_parts(plan: _Plan, cuts: list[int], HV: int, prepare_args: tuple, s
         if gpu:
             _wait(main, _event(d, i))  # output part i (and the caller's later work) after scan part i
         if plan.split:  # (the one-pass scan wrote the output itself)
-            oa = output_args[:8] + (cuts[i],) + output_args[9:]
+            oa = _with(output_args, _OUTPUT_BASE, cuts[i])
             _launch_output(((cuts[i + 1] - cuts[i]) * HV, n_out), oa, _OUTPUT_OPTIONS)
 
     for i in range(parts):
-        sa = (*scan_args[:10], carry, *scan_args[11:13], cuts[i], cuts[i + 1], *scan_args[15:-3], True, i > 0,
-              i < parts - 1)
+        sa = _with(_with(_with(scan_args, _SCAN_CARRY, carry), _SCAN_BOUNDS, cuts[i], cuts[i + 1]), _SCAN_PART,
+                   True, i > 0, i < parts - 1)
         if gpu:
             if plan.seg_prepare and i > 0:
                 _wait(raw_side, _event(d, parts + i))  # scan part i after its prepare
