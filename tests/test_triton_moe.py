@@ -314,6 +314,83 @@ def test_block_is_deterministic(multi_chunk, monkeypatch):
     assert_close(first, _ref_block(kw, 2), 4e-3, "moe_block")
 
 
+# ----------------------------------------------------------------------------- one token (kernels_triton.moe.decode)
+
+
+def _one_token_calls(monkeypatch) -> list:
+    from kernels_triton.moe import decode
+
+    calls = []
+    real = decode.moe_block_one_token
+
+    def counted(*a, **kw):  # noqa: ANN002, ANN003, ANN202
+        calls.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(decode, "moe_block_one_token", counted)
+    return calls
+
+
+@pytest.mark.parametrize("dtype,E,k,shared,gate,renormalize,mapped", [
+    (torch.float16, 8, 2, True, True, True, False),
+    (torch.float32, 8, 3, True, False, False, False),  # shared expert without a gate, no renormalisation
+    (torch.float16, 40, 4, False, False, True, False),  # no shared expert; E not a power of two
+    (torch.float32, 300, 16, True, True, True, False),  # many experts, k = 16
+    (torch.float16, 8, 3, True, True, True, True),  # expert map: non-local picks dropped
+])
+def test_one_token_block_matches_reference(dtype, E, k, shared, gate, renormalize, mapped, monkeypatch):
+    """Batch-1 decode (router GEMV, gate_up programs that route the token themselves, down GEMV summing the slots)
+    vs the fp64 reference; the same bits on a second call."""
+    calls = _one_token_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(E + k)
+    n_local = 3 if mapped else E
+    kw = _block_inputs(gen, 1, dtype, E=n_local, gate=gate)
+    kw["router_weight"] = _rnd(gen, E, 64, dtype=dtype)
+    if not shared:
+        kw.update(shared_w13=None, shared_w2=None, shared_gate_weight=None)
+    extra = {}
+    if mapped:  # 8 global experts, 3 held here; the token's picks fall on both sides
+        extra["expert_map"] = torch.tensor([-1, 0, -1, -1, 1, -1, 2, -1], dtype=torch.int32, device=DEVICE)
+    out = tmoe.moe_block(**kw, top_k=k, renormalize=renormalize, **extra)
+    assert calls, "one token did not take the decode path"
+    assert out.dtype == dtype and out.shape == (1, 64)
+    want = _ref_block(kw, k, renormalize=renormalize, **{n: v.cpu() for n, v in extra.items()})
+    assert_close(out, want, TOL[dtype], "moe_block, one token")
+    assert torch.equal(out, tmoe.moe_block(**kw, top_k=k, renormalize=renormalize, **extra)), "two runs differ"
+
+
+def test_one_token_ties_and_switch(monkeypatch):
+    """Equal router logits pick the lowest ids, as routing does; QWEN35_MOE_DECODE=0 takes the general pipeline
+    (same picks, so the same output to rounding); any other value is refused by name."""
+    from kernels_triton.moe import decode
+
+    gen = torch.Generator().manual_seed(2)
+    kw = _block_inputs(gen, 1, torch.float32, E=16)
+    kw["router_weight"] = torch.zeros(16, 64, device=DEVICE)  # every logit 0: picks 0, 1, 2
+    out = tmoe.moe_block(**kw, top_k=3)
+    assert_close(out, _ref_block(kw, 3), TOL[torch.float32], "tied logits")
+    monkeypatch.setenv(decode.ENV, "0")
+    calls = _one_token_calls(monkeypatch)
+    general = tmoe.moe_block(**kw, top_k=3)
+    assert not calls
+    assert rel_err(general, out.double()) < 1e-5
+    monkeypatch.setenv(decode.ENV, "yes")
+    with pytest.raises(ValueError, match="QWEN35_MOE_DECODE"):
+        tmoe.moe_block(**kw, top_k=3)
+
+
+def test_one_token_config_heuristic():
+    """Launch shapes for the model sizes on a 132-SM GPU: about two gate_up programs per SM, a down program for every one or two SMs."""
+    from kernels_triton.moe.decode import decode_config
+
+    c35 = decode_config(9, 2048, 512, 132)  # 35B-A3B: 8 picks + shared
+    assert (c35.UP_N, c35.UP_K, c35.DOWN_N, c35.DOWN_K) == (16, 256, 16, 256)
+    tp8 = decode_config(11, 4096, 128, 132)  # 397B-A17B at TP8: 10 picks + shared, I = 1024 / 8
+    assert (tp8.UP_N, tp8.DOWN_N, tp8.DOWN_K) == (4, 32, 128)
+    tiny = decode_config(3, 64, 32, 132)
+    assert tiny.UP_N == 4 and tiny.DOWN_N == 8 and tiny.UP_K == 64 and tiny.DOWN_K == 32
+
+
 # ----------------------------------------------------------------------------- configs and façade
 
 
@@ -381,7 +458,7 @@ def test_facade_selects_and_self_tests_triton(fresh_probe, monkeypatch):
 
 _SM90_BUILD = r'''
 from helpers import build_sm90 as build
-from kernels_triton.moe import align as A, experts as X, routing as R
+from kernels_triton.moe import align as A, decode as D, experts as X, routing as R
 
 bf, f32 = "*bf16", "*fp32"
 route = dict(N_SPLITS=4, TOP_K=10, K_PAD=16, E_PAD=512, RENORMALIZE=True, HAS_GATE=True, HAS_SHARED=True)
@@ -424,6 +501,13 @@ for bm, bn, bk, warps, stages, tiles_n in ((128, 128, 64, 8, 4, 1), (128, 256, 6
           warps, stages)
     build(X._down_kernel, down, dict(tma, TILES_N=tiles_n, **no_pdl), warps, stages)
 build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=True, BLOCK_H=1024))
+one = {"x_ptr": bf, "logits_ptr": f32, "gate_ptr": f32, "w_ptr": bf, "shared_w_ptr": bf, "w2_ptr": bf,
+       "shared_w2_ptr": bf, "h_ptr": bf, "weight_ptr": f32}  # one token (kernels_triton.moe.decode)
+for pdl, rows in ((True, 128), (False, 0)):
+    build(D._decode_gate_up_kernel, one, dict(route, HAS_MAP=True, BLOCK_N=4, BLOCK_K=256, PREFETCH_ROWS=rows,
+                                              LINES=2, LINE_ELEMS=64, PDL=pdl))
+    build(D._decode_down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weight_ptr": f32, "out_ptr": bf},
+          dict(SLOTS=11, HAS_SHARED=True, BLOCK_N=32, BLOCK_K=128, PDL=pdl))
 print("built")
 '''
 

@@ -248,6 +248,73 @@ def pdl_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
     return rows
 
 
+def _rotating_graph_us(calls: list) -> float:
+    """µs per call of a CUDA graph cycling through ``calls`` (tokens routed to different experts: their weights
+    are not left in L2 by the call before, as between a model's layers)."""
+    return _bench.time_graph_ms(lambda: [c() for c in calls], calls_per_graph=4) * 1e3 / len(calls)
+
+
+def decode_sweep(out: Path, shapes: list[str], configs: int = 0) -> list[dict]:
+    """One token: the general pipeline (``QWEN35_MOE_DECODE=0``) against the decode path
+    (kernels_triton/moe/decode.py; default config, without PDL, without the W2 prefetch and, with ``configs``,
+    a sweep of launch shapes), shared expert on, graph replay: ``us`` repeats one token (its experts' weights
+    partly stay in L2 between calls), ``us_rot`` cycles through 8 tokens. Same-bits check across two calls."""
+    import dataclasses
+    import os
+
+    from kernels_triton.moe import decode, pdl
+
+    rows = []
+    for name in shapes:
+        E, k, H, I = SHAPES[name]
+        w = _weights(E, H, I)
+        xs = [_x(1, H, seed=s) for s in range(8)]
+        base = decode.decode_config(k + 1, H, I, torch.cuda.get_device_properties(0).multi_processor_count)
+        kw = dict(shared_w13=w["shared"][0], shared_w2=w["shared"][1], shared_gate_weight=w["shared"][2])
+
+        def general(x, w=w, kw=kw, k=k):  # noqa: ANN001, ANN202
+            from kernels_triton import moe
+
+            os.environ[decode.ENV] = "0"
+            try:
+                return moe.moe_block(x, w["router_weight"], w["w13"], w["w2"], k, **kw)
+            finally:
+                os.environ.pop(decode.ENV, None)
+
+        def ours_cfg(x, cfg, use_pdl=True, w=w, kw=kw, k=k):  # noqa: ANN001, ANN202
+            return decode.moe_block_one_token(x, w["router_weight"], w["w13"], w["w2"], k, True, kw["shared_w13"],
+                                              kw["shared_w2"], kw["shared_gate_weight"], None, cfg=cfg,
+                                              pdl=use_pdl and pdl.enabled(x))
+
+        variants = [("general", None), ("decode", base), ("decode_no_pdl", base),
+                    ("decode_no_prefetch", dataclasses.replace(base, PREFETCH=False))]
+        if configs:
+            for up_n, up_k, up_w in itertools.product((4, 8, 16, 32), (128, 256, 512), (4, 8)):
+                variants.append((f"up{up_n}x{up_k}w{up_w}", dataclasses.replace(base, UP_N=up_n, UP_K=up_k,
+                                                                                UP_WARPS=up_w)))
+            for dn_n, dn_k, dn_w in itertools.product((8, 16, 32, 64), (64, 128, 256), (4, 8)):
+                variants.append((f"down{dn_n}x{dn_k}w{dn_w}", dataclasses.replace(base, DOWN_N=dn_n, DOWN_K=dn_k,
+                                                                                  DOWN_WARPS=dn_w)))
+        ref_out = general(xs[0])
+        for vname, cfg in variants:
+            if vname == "general":
+                fns = [functools.partial(general, x) for x in xs]
+            else:
+                fns = [functools.partial(ours_cfg, x, cfg, vname != "decode_no_pdl") for x in xs]
+            try:
+                a, b = fns[0](), fns[0]()
+                r = dict(sweep="decode", shape=f"{name} M=1", variant=vname, config=cfg and dataclasses.asdict(cfg),
+                         us=round(_bench.time_graph_ms(fns[0]) * 1e3, 2), us_rot=round(_rotating_graph_us(fns), 2),
+                         same_bits=bool(torch.equal(a, b)), rel_vs_general=round(_rel(a, ref_out), 6))
+            except Exception as e:  # noqa: BLE001 - record and go on
+                r = dict(sweep="decode", shape=f"{name} M=1", variant=vname,
+                         error=f"{type(e).__name__}: {str(e)[:300]}")
+            _record(rows, r, out, "moe_decode")
+        del w
+        torch.cuda.empty_cache()
+    return rows
+
+
 def _sweep_points(shapes: list[str], ms: list[int]):  # noqa: ANN202
     """(name, (E, k, H, I), weights, M, x, router partials, n_splits) for every shape and token count of a GEMM sweep,
     the router run with the shared expert's gate as in the model; the device cache is emptied between shapes."""
@@ -592,6 +659,8 @@ def main(argv: list[str] | None = None) -> int:
                     "last blocks, at 64- and 128-row blocks")
     ap.add_argument("--pdl", action="store_true", help="the whole block with and without programmatic dependent "
                     "launch (QWEN35_MOE_PDL)")
+    ap.add_argument("--decode", action="store_true", help="one token: the general pipeline against the decode path")
+    ap.add_argument("--decode-configs", action="store_true", help="with --decode: also sweep its launch shapes")
     ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
                     help="also time each stage with the shared expert up to this many tokens")
     ap.add_argument("--tag", default="", help="inserted into the result file name (moe_<tag>_<device>.json)")
@@ -609,6 +678,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.pdl:
         pdl_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1, 4, 16, 64, 256])
+        return 0
+    if args.decode:
+        decode_sweep(out, shapes, configs=args.decode_configs)
         return 0
     if args.sub_tiles:
         sub_tiles_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [2048, 4096, 8192, 16384])

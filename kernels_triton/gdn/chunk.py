@@ -870,10 +870,14 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
         stages = 3 if smem >= 210_000 else 2 if smem >= 145_000 else 1
     else:
         stages = 2 if smem >= 200_000 else 1
-    # (Session 10, gdn_segments_s10_nvidia_h200.json run 5: the one-pass scan of one sequence in parts, each part's
-    # prepare beside the scan part before it (scan_config SEGMENTS / SEG_PREPARE), timed 35B-A3B 1x32768 1.61 ->
-    # 1.45-1.53 ms by events, 27B-TP1 2.16 -> 1.86 at 3-4 parts. Not a default yet: its GPU correctness test,
-    # test_prefill_in_segments_same_bits_eager_and_graph[one_pass-*], has not run on a GPU; the interpreter's has.)
+    # Session 10/11 (gdn_segments_s10_nvidia_h200.json run 5): one sequence in parts here too, each part's prepare
+    # beside the scan part before it (the one-pass scan carries the state from part to part). Graph replay, one part
+    # -> 2 / 3 / 4 parts: 35B-A3B 1x32768 1.54 -> 1.41 / 1.40 / 1.40 ms, 27B-TP1 2.06 -> 1.88 / 1.82 / 1.80. The same
+    # part length as the split path's rule (>= 8192 tokens, at most 6 parts).
+    parts = max(1, min(6, per_seq // 8192)) if N == 1 else 1
+    if parts > 1:
+        return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages, "SEGMENTS": parts,
+                                        "SEG_PREPARE": True}, dtype, V)
     return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages}, dtype, V)
 
 

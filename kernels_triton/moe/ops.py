@@ -5,6 +5,9 @@ capturable): router GEMM (fp32 logits, split-K at small M) -> softmax/top-k/reno
 alignment by expert -> gate_up GEMM with SiLU-mul epilogue -> down GEMM scaled by the router
 weight, one output row per (token, pick) -> fixed-order sum over the picks.
 
+One token (batch-1 decode) takes three launches instead (:mod:`.decode`): router GEMV, then gate_up programs
+that route the token themselves, then a down GEMV that sums the slots.
+
 Shared expert: when its intermediate size equals the routed experts' (every Qwen3.5 MoE size,
 also under TP), it rides the same pipeline as one extra group that every token picks, with its
 sigmoid gate as the pick's weight: no separate launches. Otherwise it runs as plain torch
@@ -18,6 +21,7 @@ import torch.nn.functional as F
 
 from kernels_triton.moe import align as _align
 from kernels_triton.moe import config as _config
+from kernels_triton.moe import decode as _decode
 from kernels_triton.moe import experts as _experts
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe import routing as _routing
@@ -84,6 +88,9 @@ def moe_block(
         return torch.empty_like(x)
     (M, H), (E, I) = x.shape, (w13.shape[0], w2.shape[2])
     fused_shared = shared_w13 is not None and shared_w13.shape[0] == w13.shape[1]
+    if M == 1 and (shared_w13 is None or fused_shared) and _decode.enabled():
+        return _decode.moe_block_one_token(x, router_weight, w13, w2, top_k, renormalize, shared_w13, shared_w2,
+                                           shared_gate_weight, expert_map, pdl=_pdl.enabled(x))
     gate = shared_gate_weight if fused_shared else None
     cfgs = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
     extra = None

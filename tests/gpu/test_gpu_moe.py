@@ -106,6 +106,49 @@ def test_experts_skewed_zero_token_and_expert_map(M):
     assert rel_err(out, expect) <= TOL[dtype], "expert_map"
 
 
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_one_token_decode_path(shape, monkeypatch):
+    """One token's three launches (kernels_triton.moe.decode): vs the fp32 reference and the general pipeline
+    (QWEN35_MOE_DECODE=0), bf16 and fp32; the W2 prefetch and PDL change no bit; the expert map drops the picks
+    held elsewhere; reruns are bit-identical."""
+    import dataclasses
+
+    from kernels_triton import moe
+    from kernels_triton.moe import decode
+
+    E, k, H, I = SHAPES[shape]
+    for dtype, tol in ((torch.bfloat16, TOL[torch.bfloat16]), (torch.float32, 1e-4)):
+        w = _weights(shape, dtype)
+        for seed in range(3):
+            x = _x(1, H, dtype, seed=20 + seed)
+            out = moe.moe_block(x, top_k=k, **w)
+            expect = ref.moe_block(x.float(), top_k=k, **_f32(w))
+            assert rel_err(out, expect) <= tol, f"{dtype} seed {seed}: {rel_err(out, expect):.3e}"
+            assert torch.equal(out, moe.moe_block(x, top_k=k, **w)), "rerun differs"
+            monkeypatch.setenv(decode.ENV, "0")
+            general = moe.moe_block(x, top_k=k, **w)
+            monkeypatch.delenv(decode.ENV)
+            assert rel_err(out, general.float()) <= tol, "decode path vs general pipeline"
+    x = _x(1, H, torch.bfloat16, seed=30)
+    w = _weights(shape, torch.bfloat16)
+    args = (x, w["router_weight"], w["w13"], w["w2"], k, True, w["shared_w13"], w["shared_w2"],
+            w["shared_gate_weight"], None)
+    cfg = decode.decode_config(k + 1, H, I, torch.cuda.get_device_properties(0).multi_processor_count)
+    want = decode.moe_block_one_token(*args, cfg=cfg, pdl=False)
+    for c, p in ((dataclasses.replace(cfg, PREFETCH=False), False), (cfg, decode._pdl.enabled(x))):
+        assert torch.equal(decode.moe_block_one_token(*args, cfg=c, pdl=p), want), (c, p)
+    gen = torch.Generator(device="cuda").manual_seed(E)
+    router = torch.randn(2 * E, H, generator=gen, device="cuda").to(torch.bfloat16) * H**-0.5 * 4
+    emap = torch.full((2 * E,), -1, dtype=torch.int32, device="cuda")  # 2E global experts, every other one here
+    emap[1::2] = torch.arange(E, dtype=torch.int32, device="cuda")
+    wm = dict(w, router_weight=router)
+    for seed in range(3):
+        x = _x(1, H, torch.bfloat16, seed=40 + seed)
+        out = moe.moe_block(x, top_k=k, expert_map=emap, **wm)
+        expect = ref.moe_block(x.float(), top_k=k, expert_map=emap, **_f32(wm))
+        assert rel_err(out, expect) <= TOL[torch.bfloat16], f"expert map, seed {seed}"
+
+
 @pytest.mark.parametrize("M", [5, 4097])
 def test_block_is_bit_identical_across_runs(M):
     from kernels_triton import moe
@@ -145,15 +188,16 @@ def test_direct_launch_matches_the_binder_path(M, monkeypatch):
     """Launches that skip Triton's argument binding (a cache hit) give the same bits as ordinary launches."""
     from kernels_triton import _launch as launch
     from kernels_triton import moe
-    from kernels_triton.moe import experts
+    from kernels_triton.moe import decode, experts
 
     E, k, H, _ = SHAPES["E512k10"]
     w = _weights("E512k10", torch.bfloat16)
     x = _x(M, H, torch.bfloat16, seed=5)
     moe.moe_block(x, top_k=k, **w)  # compiles and records the kernels
-    hits = experts._launch_gate_up.hits
+    launcher = decode._launch_gate_up if M == 1 else experts._launch_gate_up  # one token: kernels_triton.moe.decode
+    hits = launcher.hits
     direct = moe.moe_block(x, top_k=k, **w)
-    assert experts._launch_gate_up.hits > hits, "the second call did not take the direct path"
+    assert launcher.hits > hits, "the second call did not take the direct path"
     monkeypatch.setattr(launch, "ENABLED", False)
     assert torch.equal(direct, moe.moe_block(x, top_k=k, **w))
     monkeypatch.setattr(launch, "ENABLED", True)
