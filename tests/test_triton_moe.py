@@ -380,15 +380,14 @@ def test_one_token_ties_and_switch(monkeypatch):
 
 
 def test_one_token_config_heuristic():
-    """Launch shapes for the model sizes on a 132-SM GPU: about two gate_up programs per SM, a down program for every one or two SMs."""
+    """Launch shapes: gate_up one column per program in 512-wide steps, down 8 columns in 128-wide steps; narrower
+    where the model is."""
     from kernels_triton.moe.decode import decode_config
 
-    c35 = decode_config(9, 2048, 512, 132)  # 35B-A3B: 8 picks + shared
-    assert (c35.UP_N, c35.UP_K, c35.DOWN_N, c35.DOWN_K) == (16, 256, 16, 256)
-    tp8 = decode_config(11, 4096, 128, 132)  # 397B-A17B at TP8: 10 picks + shared, I = 1024 / 8
-    assert (tp8.UP_N, tp8.DOWN_N, tp8.DOWN_K) == (4, 32, 128)
-    tiny = decode_config(3, 64, 32, 132)
-    assert tiny.UP_N == 4 and tiny.DOWN_N == 8 and tiny.UP_K == 64 and tiny.DOWN_K == 32
+    c35 = decode_config(2048, 512)  # 35B-A3B
+    assert (c35.UP_N, c35.UP_K, c35.UP_WARPS, c35.DOWN_N, c35.DOWN_K, c35.DOWN_WARPS) == (1, 512, 2, 8, 128, 8)
+    tiny = decode_config(64, 32)
+    assert (tiny.UP_K, tiny.DOWN_N, tiny.DOWN_K) == (64, 8, 32)
 
 
 # ----------------------------------------------------------------------------- configs and façade
@@ -501,13 +500,13 @@ for bm, bn, bk, warps, stages, tiles_n in ((128, 128, 64, 8, 4, 1), (128, 256, 6
           warps, stages)
     build(X._down_kernel, down, dict(tma, TILES_N=tiles_n, **no_pdl), warps, stages)
 build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=True, BLOCK_H=1024))
-one = {"x_ptr": bf, "logits_ptr": f32, "gate_ptr": f32, "w_ptr": bf, "shared_w_ptr": bf, "w2_ptr": bf,
-       "shared_w2_ptr": bf, "h_ptr": bf, "weight_ptr": f32}  # one token (kernels_triton.moe.decode)
-for pdl, rows in ((True, 128), (False, 0)):
-    build(D._decode_gate_up_kernel, one, dict(route, HAS_MAP=True, BLOCK_N=4, BLOCK_K=256, PREFETCH_ROWS=rows,
-                                              LINES=2, LINE_ELEMS=64, PDL=pdl))
+for pdl in (True, False):  # one token (kernels_triton.moe.decode)
+    build(D._decode_route_kernel, {"logits_ptr": f32, "gate_ptr": f32, "weight_ptr": f32},
+          dict(route, HAS_MAP=True, PDL=pdl), 1)
+    build(D._decode_gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf},
+          dict(HAS_SHARED=True, BLOCK_N=1, BLOCK_K=512, PDL=pdl), 2)
     build(D._decode_down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weight_ptr": f32, "out_ptr": bf},
-          dict(SLOTS=11, HAS_SHARED=True, BLOCK_N=32, BLOCK_K=128, PDL=pdl))
+          dict(SLOTS=11, HAS_SHARED=True, BLOCK_N=8, BLOCK_K=128, PDL=pdl), 8)
 print("built")
 '''
 

@@ -1,23 +1,23 @@
-"""The MoE block for one token (batch-1 decode) in three launches: router GEMV -> gate_up -> down.
+"""The MoE block for one token (batch-1 decode): router GEMV -> route -> gate_up GEMV -> down GEMV + combine.
 
-At one token the block is a weight stream (35B-A3B: 8 experts + the shared one, 57 MB, ~13 µs at the H200's copy
-rate); the general pipeline adds two dependent stages around it, a route + align program (4 µs on the H200: a
-sort, a histogram and scans over every expert for nine slots) and a combine (1.7 µs), and runs each expert as a
-16-row tensor-core tile holding one real row. Here:
+At one token the block is a weight stream (35B-A3B: 8 experts + the shared one, 57 MB, ~14 µs at the H200's copy
+rate). The general pipeline runs it as five launches: router, route + align (one program: a histogram, scans
+and a sort over every expert, for nine slots), gate_up and down as 16-row tensor-core tiles holding one real row,
+and a combine. Here:
 
-- **gate_up** (grid ``slots x column tiles``): every program routes the token itself from the router's split-K
-  partials (softmax -> top-k -> renormalise, :func:`kernels_triton.moe.routing._top_k_rows`: the same picks and
-  weights as :func:`kernels_triton.moe.routing.route`; 1 KB per split read from L2), takes its pick ``j`` (the
-  shared expert is pick ``TOP_K``, weight ``sigmoid(gate logit)``), maps it through the expert map (-1: held
-  elsewhere, the program stops) and computes its ``BLOCK_N`` columns of ``silu(x Wg^T) * (x Wu^T)`` as a GEMV
-  (fp32 products, one reduction at the end). The column-tile-0 programs store the pick's group and weight for
-  the down launch. With ``PREFETCH`` each program first asks for its share of its pick's ``W2`` rows in L2, so the
-  down launch reads them from L2 and the weight stream does not stop between the launches.
-- **down** (grid ``column tiles of H``): each program sums ``weight_j * (h_j W2[e_j]^T)`` over the slots in slot
-  order in fp32 (the combine, fused: no per-slot rows) and stores its columns of the output.
+- **route** (one program, one warp): softmax -> top-k -> renormalise from the router's split-K partials
+  (:func:`kernels_triton.moe.routing._top_k_rows`: the same picks and weights as routing, ties to the lowest id),
+  each pick's local expert through the expert map (-1: held elsewhere), the shared expert as the last slot with
+  weight ``sigmoid(gate logit)``. No alignment: each slot is its own group (top-k ids are distinct).
+- **gate_up** (grid ``slots x column tiles``): ``h_j = silu(x Wg_j^T) * (x Wu_j^T)`` for ``UP_N`` columns per
+  program as a GEMV (fp32 products summed along H, one reduction at the end), ``h`` in the activation dtype.
+- **down** (grid ``column tiles of H``): each program sums ``weight_j * (h_j W2_j^T)`` over the slots in slot order
+  in fp32 (the combine, fused) and stores its columns of the output.
 
 Deterministic (no atomics, fixed orders). The output differs from the general pipeline's in the last bits (the
-GEMV's summation order; no rounding of each slot's row to the activation dtype before the sum).
+GEMV's summation order; no rounding of each slot's row to the activation dtype before the sum). Programmatic
+dependent launch only when ``QWEN35_MOE_PDL=1`` asks for it: on the H200 these launches were 1.5-7 µs slower with it
+(tuning/notes_moe.md, session 11).
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def enabled() -> bool:
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch shape of the two expert launches: gate_up ``UP_N`` columns (of gate and of up) x ``UP_K`` steps,
-    down ``DOWN_N`` output columns x ``DOWN_K`` steps; warps of each."""
+    """Launch shape of the two expert launches: gate_up ``UP_N`` columns (of gate and of up) x ``UP_K``-wide steps
+    over H, down ``DOWN_N`` output columns x ``DOWN_K``-wide steps over I; warps of each."""
 
     UP_N: int
     UP_K: int
@@ -54,77 +54,63 @@ class DecodeConfig:
     DOWN_N: int
     DOWN_K: int
     DOWN_WARPS: int
-    PREFETCH: bool = True
 
 
 @functools.lru_cache(maxsize=256)
-def decode_config(slots: int, H: int, I: int, n_sm: int) -> DecodeConfig:
-    """Heuristic: gate_up column tiles narrow enough that ``slots x tiles`` is about two programs per SM (4 to 32
-    columns), down tiles for at least half a program per SM (8 to 64 columns); 256-element K steps (the row's width
-    when narrower); 4 warps."""
-    up_n = 32
-    while up_n > 4 and slots * cdiv(I, up_n) < 2 * n_sm:
-        up_n //= 2
-    down_n = 64
-    while down_n > 8 and 2 * cdiv(H, down_n) < n_sm:
-        down_n //= 2
-    return DecodeConfig(UP_N=min(up_n, pow2(I)), UP_K=min(256, pow2(H, 16)), UP_WARPS=4, DOWN_N=min(down_n, pow2(H)),
-                        DOWN_K=min(256, pow2(I, 16)), DOWN_WARPS=4)
+def decode_config(H: int, I: int) -> DecodeConfig:
+    """From the H200 sweep (tuning/results/moe_decode_s11_nvidia_h200.json, whole block, 35B-A3B and 397B-A17B-TP8):
+    gate_up one column (one gate row and one up row) per program in 512-wide steps with 2 warps -- thousands of
+    small programs, so every SM streams the same number of rows (wider tiles left up to a third of the SMs a program
+    short at the end: 35B 30.3 µs at 4 columns vs 28.4 at 1, TP8 38.9 vs 27.7); down 8 columns in 128-wide steps
+    with 8 warps. Narrower where H or I is."""
+    return DecodeConfig(UP_N=1, UP_K=min(512, pow2(H, 16)), UP_WARPS=2, DOWN_N=min(8, pow2(H)),
+                        DOWN_K=min(128, pow2(I, 16)), DOWN_WARPS=8)
 
 
 @triton.jit
-def _pick(logits_ptr, gate_ptr, map_ptr, j, E_GLOBAL, E_LOCAL, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr,
-          K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
-          HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr):
-    """(group, weight) of the token's slot ``j``: routed picks ``j < TOP_K`` (group = local expert or -1), the
-    shared expert at ``j == TOP_K`` (group E_LOCAL). Split-K partials are summed in split order, as in routing."""
+def _decode_route_kernel(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E_GLOBAL, E_LOCAL,
+                         N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                         RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_MAP: tl.constexpr,
+                         HAS_SHARED: tl.constexpr, PDL: tl.constexpr = False):
+    """One program: every slot's (group, weight) for the gate_up and down launches."""
+    _pdl.enter(PDL)
     cols = tl.arange(0, E_PAD)
     logits = tl.zeros((1, E_PAD), dtype=tl.float32)
     for s in tl.static_range(N_SPLITS):
         logits += tl.load(logits_ptr + s * E_GLOBAL + cols[None, :], mask=(cols < E_GLOBAL)[None, :], other=0.0)
     weights, ids = _top_k_rows(logits, cols, E_GLOBAL, TOP_K, K_PAD, RENORMALIZE)
     slot = tl.arange(0, K_PAD)[None, :]
-    expert = tl.sum(tl.sum(tl.where(slot == j, ids, 0), axis=1), axis=0)
-    weight = tl.sum(tl.sum(tl.where(slot == j, weights, 0.0), axis=1), axis=0)
+    routed = slot < TOP_K
     if HAS_MAP:
-        group = tl.load(map_ptr + expert)
+        groups = tl.load(map_ptr + ids, mask=routed, other=-1)
     else:
-        group = expert
+        groups = ids
+    tl.store(group_ptr + slot, groups, mask=routed)
+    tl.store(weight_ptr + slot, weights, mask=routed)
     if HAS_SHARED:
-        if j == TOP_K:
-            group = E_LOCAL
-            if HAS_GATE:
-                gate = tl.load(gate_ptr)
-                for s in tl.static_range(1, N_SPLITS):
-                    gate += tl.load(gate_ptr + s)
-                weight = tl.sigmoid(gate)
-            else:
-                weight = 1.0
-    return group, weight
+        if HAS_GATE:
+            gate = tl.load(gate_ptr)
+            for s in tl.static_range(1, N_SPLITS):
+                gate += tl.load(gate_ptr + s)
+            w_shared = tl.sigmoid(gate)
+        else:
+            w_shared = 1.0
+        tl.store(group_ptr + TOP_K, E_LOCAL)
+        tl.store(weight_ptr + TOP_K, w_shared)
 
 
 @triton.jit
-def _decode_gate_up_kernel(x_ptr, logits_ptr, gate_ptr, map_ptr, w_ptr, shared_w_ptr, w2_ptr, shared_w2_ptr, h_ptr,
-                           group_ptr, weight_ptr, H, I, E_GLOBAL, E_LOCAL, N_SPLITS: tl.constexpr,
-                           TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                           RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_MAP: tl.constexpr,
+def _decode_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, h_ptr, group_ptr, H, I, E_LOCAL,
                            HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PREFETCH_ROWS: tl.constexpr = 0, LINES: tl.constexpr = 1, LINE_ELEMS: tl.constexpr = 64,
                            PDL: tl.constexpr = False):
-    """Slot ``program_id(0)``'s ``h`` columns ``program_id(1) * BLOCK_N ..``: route, then a GEMV over H."""
+    """Slot ``program_id(0)``'s ``h`` columns ``program_id(1) * BLOCK_N ..`` (group from the route launch): a GEMV
+    over H."""
     _pdl.enter(PDL)
     j = tl.program_id(0)
     tile = tl.program_id(1)
-    group, weight = _pick(logits_ptr, gate_ptr, map_ptr, j, E_GLOBAL, E_LOCAL, N_SPLITS, TOP_K, K_PAD, E_PAD,
-                          RENORMALIZE, HAS_GATE, HAS_MAP, HAS_SHARED)
-    if tile == 0:
-        tl.store(group_ptr + j, group)
-        tl.store(weight_ptr + j, weight)
+    group = tl.load(group_ptr + j)
     if group < 0:
         return
-    if PREFETCH_ROWS > 0:  # this program's share of the pick's W2 rows, into L2 for the down launch
-        w2 = _expert_weights(w2_ptr, shared_w2_ptr, group, H * I, E_LOCAL, HAS_SHARED)
-        _pdl.prefetch_rows_l2(w2, tile * PREFETCH_ROWS, H, I, PREFETCH_ROWS, LINES, LINE_ELEMS)
     w = _expert_weights(w_ptr, shared_w_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
@@ -171,13 +157,9 @@ def _decode_down_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_p
 
 
 # launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
+_launch_route = DirectLauncher(_decode_route_kernel)
 _launch_gate_up = DirectLauncher(_decode_gate_up_kernel)
 _launch_down = DirectLauncher(_decode_down_kernel)
-
-
-@functools.lru_cache(maxsize=16)
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 def moe_block_one_token(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
@@ -190,24 +172,20 @@ def moe_block_one_token(x: torch.Tensor, router_weight: torch.Tensor, w13: torch
     n_experts = router_weight.shape[0]
     shared = shared_w13 is not None
     slots = top_k + int(shared)
-    cfg = cfg or decode_config(slots, H, I, _sm_count(x.device))
+    cfg = cfg or decode_config(H, I)
     logits, n_splits = router_logits(x, router_weight, shared_gate_weight if shared else None, pdl=pdl)
     ints = torch.empty(2 * aligned16(slots), dtype=torch.int32, device=x.device)
     groups, weights = ints[:slots], ints[aligned16(slots):aligned16(slots) + slots].view(torch.float32)
-    h = torch.empty(slots, I, dtype=x.dtype, device=x.device)
-    up_tiles = cdiv(I, cfg.UP_N)
-    # L2 prefetch by inline PTX: CUDA builds only (not the interpreter, not HIP)
-    rows = pow2(cdiv(H, up_tiles)) if cfg.PREFETCH and x.is_cuda and torch.version.hip is None else 0
-    lines, line_elems = _pdl.prefetch_lines(I, w2.element_size())
     has_gate = shared and shared_gate_weight is not None
-    _launch_gate_up[(slots, up_tiles)](
-        x, logits, gate_logits(logits, n_splits) if has_gate else logits,
-        expert_map if expert_map is not None else groups, w13, shared_w13 if shared else w13, w2,
-        shared_w2 if shared else w2, h, groups, weights, H, I, n_experts, E, N_SPLITS=n_splits, TOP_K=top_k,
-        K_PAD=pow2(top_k, 2), E_PAD=pow2(n_experts, 16), RENORMALIZE=bool(renormalize),
-        HAS_GATE=has_gate, HAS_MAP=expert_map is not None, HAS_SHARED=shared,
-        BLOCK_N=cfg.UP_N, BLOCK_K=cfg.UP_K, PREFETCH_ROWS=rows, LINES=lines, LINE_ELEMS=line_elems, PDL=pdl,
-        num_warps=cfg.UP_WARPS, **_pdl.options(pdl))
+    _launch_route[(1,)](
+        logits, gate_logits(logits, n_splits) if has_gate else logits, expert_map if expert_map is not None else groups,
+        groups, weights, n_experts, E, N_SPLITS=n_splits, TOP_K=top_k, K_PAD=pow2(top_k, 2),
+        E_PAD=pow2(n_experts, 16), RENORMALIZE=bool(renormalize), HAS_GATE=has_gate, HAS_MAP=expert_map is not None,
+        HAS_SHARED=shared, PDL=pdl, num_warps=1, **_pdl.options(pdl))
+    h = torch.empty(slots, I, dtype=x.dtype, device=x.device)
+    _launch_gate_up[(slots, cdiv(I, cfg.UP_N))](
+        x, w13, shared_w13 if shared else w13, h, groups, H, I, E, HAS_SHARED=shared, BLOCK_N=cfg.UP_N,
+        BLOCK_K=cfg.UP_K, PDL=pdl, num_warps=cfg.UP_WARPS, **_pdl.options(pdl))
     out = torch.empty_like(x)
     _launch_down[(cdiv(H, cfg.DOWN_N),)](
         h, w2, shared_w2 if shared else w2, groups, weights, out, H, I, E, SLOTS=slots, HAS_SHARED=shared,

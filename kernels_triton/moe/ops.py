@@ -5,8 +5,8 @@ capturable): router GEMM (fp32 logits, split-K at small M) -> softmax/top-k/reno
 alignment by expert -> gate_up GEMM with SiLU-mul epilogue -> down GEMM scaled by the router
 weight, one output row per (token, pick) -> fixed-order sum over the picks.
 
-One token (batch-1 decode) takes three launches instead (:mod:`.decode`): router GEMV, then gate_up programs
-that route the token themselves, then a down GEMV that sums the slots.
+One token (batch-1 decode) takes four smaller launches instead (:mod:`.decode`): router GEMV, a one-warp route,
+a gate_up GEMV, and a down GEMV that also sums the slots.
 
 Shared expert: when its intermediate size equals the routed experts' (every Qwen3.5 MoE size,
 also under TP), it rides the same pipeline as one extra group that every token picks, with its
@@ -90,7 +90,8 @@ def moe_block(
     fused_shared = shared_w13 is not None and shared_w13.shape[0] == w13.shape[1]
     if M == 1 and (shared_w13 is None or fused_shared) and _decode.enabled():
         return _decode.moe_block_one_token(x, router_weight, w13, w2, top_k, renormalize, shared_w13, shared_w2,
-                                           shared_gate_weight, expert_map, pdl=_pdl.enabled(x))
+                                           shared_gate_weight, expert_map,
+                                           pdl=_pdl.env_choice(_pdl.ENV) is True and _pdl.enabled(x))
     gate = shared_gate_weight if fused_shared else None
     cfgs = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
     extra = None
