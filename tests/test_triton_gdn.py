@@ -577,10 +577,12 @@ def test_scan_stages_fit_shared_memory(monkeypatch, smem, dtype, K, stages):
     monkeypatch.setattr(chunk, "_shared_memory_per_block", lambda device: smem)
     chunk._scan_config.cache_clear()
     try:
-        cfg = chunk._scan_config(torch.device("cuda", 0), 1, 48, K, 128, 32768, dtype)
+        cfg = chunk._scan_config(torch.device("cuda", 0), 2, 48, K, 128, 32768, dtype)  # two sequences: one part
+        one = chunk._scan_config(torch.device("cuda", 0), 1, 48, K, 128, 32768, dtype)  # one: in four parts
     finally:
         chunk._scan_config.cache_clear()
     assert cfg == {"BV": 64, "num_warps": 4, "num_stages": stages}
+    assert one == dict(cfg, SEGMENTS=4, SEG_PREPARE=True)
 
 
 @pytest.mark.parametrize("pairs,sms,bv", [(8, 132, 16), (12, 132, 16), (16, 132, 16), (31, 132, 32), (32, 132, 32),
