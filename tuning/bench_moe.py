@@ -147,15 +147,33 @@ def _routing(x, w, top_k):  # noqa: ANN001, ANN202
 def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
     """Each launch group of ours (as moe_block runs them) timed alone on its real inputs: where the GPU time goes.
 
-    Timed by graph replay at every M, so host work is not in these numbers (it is in ``host_us``).
+    Timed by graph replay at every M, so host work is not in these numbers (it is in ``host_us``). One token: the
+    decode path's route (no alignment) in ``route_align``, its down GEMV (the combine fused, ``combine`` 0).
     ``with_shared``: the fused shared expert (its gate as one more router column, one more group).
     """
-    from kernels_triton.moe import align, config, experts, routing
+    from kernels_triton.moe import align, config, decode, experts, routing
 
     M, H = x.shape
     E, I = w["w13"].shape[0], w["w2"].shape[2]
     sw13, sw2, gate = w["shared"] if with_shared else (None, None, None)
     slots = top_k + int(with_shared)
+    if M == 1 and decode.enabled():  # one token: the decode path's launches (kernels_triton/moe/decode.py)
+        cfg = decode.decode_config(H, I)
+        logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
+
+        def route():  # noqa: ANN202
+            return decode.route_one(logits, n_splits, top_k, True, n_local=E, expert_map=None, gate=with_shared,
+                                    shared=with_shared)
+
+        groups, weights = route()
+        h = decode.gate_up_one(x, w["w13"], sw13, groups, cfg)
+        stages = {
+            "router_gemm": lambda: routing.router_logits(x, w["router_weight"], gate),
+            "route_align": route,
+            "gate_up": lambda: decode.gate_up_one(x, w["w13"], sw13, groups, cfg),
+            "down": lambda: decode.down_one(h, w["w2"], sw2, groups, weights, cfg),
+        }
+        return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()} | {"combine": 0.0}
     up_cfg, down_cfg = config.configs(M, top_k, E, H, I, x.dtype, x.device)
     logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
 

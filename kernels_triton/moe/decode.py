@@ -162,32 +162,57 @@ _launch_gate_up = DirectLauncher(_decode_gate_up_kernel)
 _launch_down = DirectLauncher(_decode_down_kernel)
 
 
+def route_one(logits: torch.Tensor, n_splits: int, top_k: int, renormalize: bool, *, n_local: int,
+              expert_map: torch.Tensor | None, gate: bool, shared: bool,
+              pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(groups int32, weights fp32) ``[slots]`` of the token from the router's partials ``logits`` ``[n_splits, 1,
+    E]`` (:func:`kernels_triton.moe.routing.router_logits`; ``gate``: with the shared expert's gate partials)."""
+    n_experts = logits.shape[-1]
+    slots = top_k + int(shared)
+    ints = torch.empty(2 * aligned16(slots), dtype=torch.int32, device=logits.device)
+    groups, weights = ints[:slots], ints[aligned16(slots):aligned16(slots) + slots].view(torch.float32)
+    _launch_route[(1,)](
+        logits, gate_logits(logits, n_splits) if gate else logits, expert_map if expert_map is not None else groups,
+        groups, weights, n_experts, n_local, N_SPLITS=n_splits, TOP_K=top_k, K_PAD=pow2(top_k, 2),
+        E_PAD=pow2(n_experts, 16), RENORMALIZE=bool(renormalize), HAS_GATE=gate, HAS_MAP=expert_map is not None,
+        HAS_SHARED=shared, PDL=pdl, num_warps=1, **_pdl.options(pdl))
+    return groups, weights
+
+
+def gate_up_one(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None, groups: torch.Tensor,
+                cfg: DecodeConfig, pdl: bool = False) -> torch.Tensor:
+    """``h`` ``[slots, I]`` in x's dtype (dropped slots' rows unwritten)."""
+    H, (E, I), slots = x.shape[1], (w13.shape[0], w13.shape[1] // 2), groups.shape[0]
+    h = torch.empty(slots, I, dtype=x.dtype, device=x.device)
+    _launch_gate_up[(slots, cdiv(I, cfg.UP_N))](
+        x, w13, shared_w13 if shared_w13 is not None else w13, h, groups, H, I, E,
+        HAS_SHARED=shared_w13 is not None, BLOCK_N=cfg.UP_N, BLOCK_K=cfg.UP_K, PDL=pdl, num_warps=cfg.UP_WARPS,
+        **_pdl.options(pdl))
+    return h
+
+
+def down_one(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, groups: torch.Tensor,
+             weights: torch.Tensor, cfg: DecodeConfig, pdl: bool = False) -> torch.Tensor:
+    """``[1, H]`` in h's dtype: the slots' down projections weighted and summed in slot order."""
+    (E, H, I), slots = w2.shape, groups.shape[0]
+    out = torch.empty(1, H, dtype=h.dtype, device=h.device)
+    _launch_down[(cdiv(H, cfg.DOWN_N),)](
+        h, w2, shared_w2 if shared_w2 is not None else w2, groups, weights, out, H, I, E, SLOTS=slots,
+        HAS_SHARED=shared_w2 is not None, BLOCK_N=cfg.DOWN_N, BLOCK_K=cfg.DOWN_K, PDL=pdl,
+        num_warps=cfg.DOWN_WARPS, **_pdl.options(pdl))
+    return out
+
+
 def moe_block_one_token(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         top_k: int, renormalize: bool, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
                         shared_gate_weight: torch.Tensor | None, expert_map: torch.Tensor | None,
                         cfg: DecodeConfig | None = None, pdl: bool = False) -> torch.Tensor:
     """:func:`kernels_triton.moe.ops.moe_block` for ``x`` ``[1, H]``, the shared expert (if any) as wide as the
     routed ones (the caller checks). ``cfg``: launch shape (default :func:`decode_config`)."""
-    H, (E, I) = x.shape[1], (w13.shape[0], w2.shape[2])
-    n_experts = router_weight.shape[0]
     shared = shared_w13 is not None
-    slots = top_k + int(shared)
-    cfg = cfg or decode_config(H, I)
+    cfg = cfg or decode_config(x.shape[1], w2.shape[2])
     logits, n_splits = router_logits(x, router_weight, shared_gate_weight if shared else None, pdl=pdl)
-    ints = torch.empty(2 * aligned16(slots), dtype=torch.int32, device=x.device)
-    groups, weights = ints[:slots], ints[aligned16(slots):aligned16(slots) + slots].view(torch.float32)
-    has_gate = shared and shared_gate_weight is not None
-    _launch_route[(1,)](
-        logits, gate_logits(logits, n_splits) if has_gate else logits, expert_map if expert_map is not None else groups,
-        groups, weights, n_experts, E, N_SPLITS=n_splits, TOP_K=top_k, K_PAD=pow2(top_k, 2),
-        E_PAD=pow2(n_experts, 16), RENORMALIZE=bool(renormalize), HAS_GATE=has_gate, HAS_MAP=expert_map is not None,
-        HAS_SHARED=shared, PDL=pdl, num_warps=1, **_pdl.options(pdl))
-    h = torch.empty(slots, I, dtype=x.dtype, device=x.device)
-    _launch_gate_up[(slots, cdiv(I, cfg.UP_N))](
-        x, w13, shared_w13 if shared else w13, h, groups, H, I, E, HAS_SHARED=shared, BLOCK_N=cfg.UP_N,
-        BLOCK_K=cfg.UP_K, PDL=pdl, num_warps=cfg.UP_WARPS, **_pdl.options(pdl))
-    out = torch.empty_like(x)
-    _launch_down[(cdiv(H, cfg.DOWN_N),)](
-        h, w2, shared_w2 if shared else w2, groups, weights, out, H, I, E, SLOTS=slots, HAS_SHARED=shared,
-        BLOCK_N=cfg.DOWN_N, BLOCK_K=cfg.DOWN_K, PDL=pdl, num_warps=cfg.DOWN_WARPS, **_pdl.options(pdl))
-    return out
+    groups, weights = route_one(logits, n_splits, top_k, renormalize, n_local=w13.shape[0], expert_map=expert_map,
+                                gate=shared and shared_gate_weight is not None, shared=shared, pdl=pdl)
+    h = gate_up_one(x, w13, shared_w13, groups, cfg, pdl)
+    return down_one(h, w2, shared_w2, groups, weights, cfg, pdl)
