@@ -11,8 +11,9 @@ and a combine. Here:
   weight ``sigmoid(gate logit)``. No alignment: each slot is its own group (top-k ids are distinct).
 - **gate_up** (grid ``slots x column tiles``): ``h_j = silu(x Wg_j^T) * (x Wu_j^T)`` for ``UP_N`` columns per
   program as a GEMV (fp32 products summed along H, one reduction at the end), ``h`` in the activation dtype.
-- **down** (grid ``column tiles of H``): each program sums ``weight_j * (h_j W2_j^T)`` over the slots in slot order
-  in fp32 (the combine, fused) and stores its columns of the output.
+- **down** (grid ``column tiles of H``): each program loads every slot's W2 tile at once and sums
+  ``weight_j * (h_j W2_j^T)`` over the slots in fp32 (the combine, fused; a fixed-order tree) and stores its columns
+  of the output.
 
 Deterministic (no atomics, fixed orders). The output differs from the general pipeline's in the last bits (the
 GEMV's summation order; no rounding of each slot's row to the activation dtype before the sum). Programmatic
@@ -58,13 +59,13 @@ class DecodeConfig:
 
 @functools.lru_cache(maxsize=256)
 def decode_config(H: int, I: int) -> DecodeConfig:
-    """From the H200 sweep (tuning/results/moe_decode_s11_nvidia_h200.json, whole block, 35B-A3B and 397B-A17B-TP8):
+    """From the H200 sweeps (tuning/results/moe_decode_s11_nvidia_h200.json, whole block, 35B-A3B and 397B-A17B-TP8):
     gate_up one column (one gate row and one up row) per program in 512-wide steps with 2 warps -- thousands of
-    small programs, so every SM streams the same number of rows (wider tiles left up to a third of the SMs a program
-    short at the end: 35B 30.3 µs at 4 columns vs 28.4 at 1, TP8 38.9 vs 27.7); down 8 columns in 128-wide steps
-    with 8 warps. Narrower where H or I is."""
+    small programs, so every SM streams about the same number of rows (4 columns per program: 35B 30.3 µs against
+    28.4, TP8 38.9 against 27.7); down 8 columns per program in 64-wide steps over every slot at once, 8 warps.
+    Narrower where H or I is."""
     return DecodeConfig(UP_N=1, UP_K=min(512, pow2(H, 16)), UP_WARPS=2, DOWN_N=min(8, pow2(H)),
-                        DOWN_K=min(128, pow2(I, 16)), DOWN_WARPS=8)
+                        DOWN_K=min(64, pow2(I, 16)), DOWN_WARPS=8)
 
 
 @triton.jit
@@ -134,25 +135,30 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, h_ptr, group_ptr, H, I, E
 
 @triton.jit
 def _decode_down_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_ptr, H, I, E_LOCAL,
-                        SLOTS: tl.constexpr, HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        PDL: tl.constexpr = False):
-    """Output columns ``program_id(0) * BLOCK_N ..``: sum over slots j (in order) of weight_j * h_j W2[e_j]^T."""
+                        SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
+    """Output columns ``program_id(0) * BLOCK_N ..``: the sum over slots of ``weight_j * h_j W2[e_j]^T``. Every slot's
+    tile comes in one load per K step (``[SLOTS_PAD, BLOCK_N, BLOCK_K]``: many bytes in flight per program; a loop
+    over the slots was 1.0-3.2 µs slower on the H200), the slots' weighted sum is a fixed-order tree in fp32."""
     _pdl.enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < H
+    slot = tl.arange(0, SLOTS_PAD)
+    group = tl.load(group_ptr + slot, mask=slot < SLOTS, other=-1)
+    kept = group >= 0
+    base = w_ptr + tl.maximum(group, 0).to(tl.int64) * H * I
+    if HAS_SHARED:
+        base = tl.where(group == E_LOCAL, shared_w_ptr + 0 * group, base)
     ks = tl.arange(0, BLOCK_K)
-    total = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in tl.static_range(SLOTS):
-        group = tl.load(group_ptr + j)
-        kept = group >= 0
-        w = _expert_weights(w_ptr, shared_w_ptr, tl.maximum(group, 0), H * I, E_LOCAL, HAS_SHARED)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_ok = (ks + k0 < I) & kept
-            hk = tl.load(h_ptr + j * I + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            wt = tl.load(w + cols[:, None] * I + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            acc += wt.to(tl.float32) * hk[None, :]
-        total += tl.where(kept, tl.sum(acc, axis=1) * tl.load(weight_ptr + j), 0.0)
+    col_ok = cols < H
+    acc = tl.zeros((SLOTS_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_ok = ks + k0 < I
+        hk = tl.load(h_ptr + slot[:, None] * I + (k0 + ks)[None, :], mask=kept[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(base[:, None, None] + cols[None, :, None] * I + (k0 + ks)[None, None, :],
+                     mask=kept[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :], other=0.0)
+        acc += tl.sum(wt.to(tl.float32) * hk.to(tl.float32)[:, None, :], axis=2)
+    weight = tl.load(weight_ptr + slot, mask=kept, other=0.0)
+    total = tl.sum(tl.where(kept[:, None], acc * weight[:, None], 0.0), axis=0)
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
@@ -193,13 +199,13 @@ def gate_up_one(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | N
 
 def down_one(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, groups: torch.Tensor,
              weights: torch.Tensor, cfg: DecodeConfig, pdl: bool = False) -> torch.Tensor:
-    """``[1, H]`` in h's dtype: the slots' down projections weighted and summed in slot order."""
+    """``[1, H]`` in h's dtype: the slots' down projections weighted and summed (fixed order)."""
     (E, H, I), slots = w2.shape, groups.shape[0]
     out = torch.empty(1, H, dtype=h.dtype, device=h.device)
     _launch_down[(cdiv(H, cfg.DOWN_N),)](
         h, w2, shared_w2 if shared_w2 is not None else w2, groups, weights, out, H, I, E, SLOTS=slots,
-        HAS_SHARED=shared_w2 is not None, BLOCK_N=cfg.DOWN_N, BLOCK_K=cfg.DOWN_K, PDL=pdl,
-        num_warps=cfg.DOWN_WARPS, **_pdl.options(pdl))
+        SLOTS_PAD=pow2(slots), HAS_SHARED=shared_w2 is not None, BLOCK_N=cfg.DOWN_N, BLOCK_K=cfg.DOWN_K,
+        PDL=pdl, num_warps=cfg.DOWN_WARPS, **_pdl.options(pdl))
     return out
 
 

@@ -9,7 +9,10 @@ it before letting down start).
 H200, whole block by graph replay, same bits (tuning/results/moe_pdl_nvidia_h200.json): one token 26.85 -> 25.24 µs
 (35B-A3B), 28.02 -> 25.86 (397B-TP8); from 4 tokens on slower (35B M=16 176 -> 183, TP8 M=64 323 -> 350: the down
 GEMM's early prefetches and programs compete with the gate_up's weight stream). So the default is PDL for one token
-on sm_90+; ``QWEN35_MOE_PDL=1`` / ``0`` turns it on at every size / off. The CPU interpreter never takes this path.
+on sm_90+; ``QWEN35_MOE_PDL=1`` / ``0`` turns it on at every size / off. Since session 11 one token takes the decode
+path (:mod:`kernels_triton.moe.decode`), whose launches were slower with PDL: there it applies only with
+``QWEN35_MOE_PDL=1``; the one-token default above holds for the general pipeline (``QWEN35_MOE_DECODE=0``). The CPU
+interpreter never takes this path.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def test_one_token_decode_path(shape, monkeypatch):
             w["shared_gate_weight"], None)
     want = decode.moe_block_one_token(*args, pdl=False)
     assert torch.equal(decode.moe_block_one_token(*args, pdl=decode._pdl.enabled(x)), want), "PDL changed bits"
-    wide = decode.DecodeConfig(UP_N=4, UP_K=256, UP_WARPS=4, DOWN_N=16, DOWN_K=256, DOWN_WARPS=4)
+    wide = decode.DecodeConfig(UP_N=4, UP_K=256, UP_WARPS=4, DOWN_N=16, DOWN_K=32, DOWN_WARPS=4)
     assert rel_err(decode.moe_block_one_token(*args, cfg=wide), want.float()) <= 2e-3, "another launch shape"
     gen = torch.Generator(device="cuda").manual_seed(E)
     router = torch.randn(2 * E, H, generator=gen, device="cuda").to(torch.bfloat16) * H**-0.5 * 4
