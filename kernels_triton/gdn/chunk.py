@@ -870,10 +870,11 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
         stages = 3 if smem >= 210_000 else 2 if smem >= 145_000 else 1
     else:
         stages = 2 if smem >= 200_000 else 1
-    # Session 10/11 (gdn_segments_s10_nvidia_h200.json run 5): one sequence in parts here too, each part's prepare
-    # beside the scan part before it (the one-pass scan carries the state from part to part). Graph replay, one part
-    # -> 2 / 3 / 4 parts: 35B-A3B 1x32768 1.54 -> 1.41 / 1.40 / 1.40 ms, 27B-TP1 2.06 -> 1.88 / 1.82 / 1.80. The same
-    # part length as the split path's rule (>= 8192 tokens, at most 6 parts).
+    # Sessions 10-11: one sequence in parts here too, each part's prepare beside the scan part before it (the one-pass
+    # scan carries the state from part to part). Graph replay, one part -> 2 / 3 / 4 parts (gdn_segments_s10 run 5):
+    # 35B-A3B 1x32768 1.54 -> 1.41 / 1.40 / 1.40 ms, 27B-TP1 2.06 -> 1.88 / 1.82 / 1.80; one part -> this rule
+    # (gdn_segments_s11_nvidia_h200.json): 35B 1x16384 / 1x32768 / 1x65536 0.79 -> 0.73, 1.56 -> 1.42, 3.08 -> 2.76,
+    # 27B-TP1 1.06 -> 0.96, 2.08 -> 1.81, 4.11 -> 3.52. The split path's part length (>= 8192 tokens, at most 6).
     parts = max(1, min(6, per_seq // 8192)) if N == 1 else 1
     if parts > 1:
         return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages, "SEGMENTS": parts,
