@@ -206,19 +206,9 @@ def test_prefill_in_segments_same_bits_eager_and_graph(dtype, seg_prepare, split
 def test_prefill_default_segments_one_long_sequence(dtype, HV):
     """The default config for one sequence of >= 16384 tokens runs the scan in parts (split scan at <= 16 pairs,
     one-pass scan from 32 pairs on): output and pool slot vs the fp64 reference, other slots untouched."""
-    T, H, K, V = 20000, 4, 128, 128
-    cfg = chunk._scan_config(torch.device(DEV), 1, HV, K, V, 16384, dtype)
+    cfg = chunk._scan_config(torch.device(DEV), 1, HV, 128, 128, 16384, dtype)
     assert cfg.get("SEGMENTS", 1) == 2 and cfg.get("SPLIT", False) == (HV == 8), cfg
-    d = _gdn_inputs(T, H, HV, K, V, dtype, seed=61)
-    pool = _rand(torch.Generator(device=DEV).manual_seed(62), 3, HV, K, V, scale=0.1)
-    slots = torch.tensor([2], dtype=torch.int32, device=DEV)
-    ours = pool.clone()
-    o, _ = kt.gdn_chunk_prefill(**d, state_pool=ours, state_slots=slots, use_qk_l2norm=True)
-    ref_pool = pool.double()
-    ro, _ = ref.gdn_chunk_prefill(**_f64(d), state_pool=ref_pool, state_slots=slots, use_qk_l2norm=True)
-    assert_close(o, ro, TOL[dtype], f"output {dtype}")
-    assert_close(ours, ref_pool, TOL[dtype], f"final state {dtype}")
-    _check_untouched(ours, pool, slots)
+    _pool_prefill_vs_reference([20000], 4, HV, dtype, [2], [True], seed=61)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
