@@ -34,7 +34,15 @@ from kernels_triton._launch import DirectLauncher, aligned16
 from kernels_triton._pdl import env_choice as _env_choice
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.experts import _expert_weights
-from kernels_triton.moe.routing import _top_k_rows, cdiv, gate_logits, pow2, router_logits
+from kernels_triton.moe.routing import (
+    _shared_weight,
+    _summed_logits,
+    _top_k_rows,
+    cdiv,
+    gate_logits,
+    pow2,
+    router_logits,
+)
 
 ENV = "QWEN35_MOE_DECODE"  # "0": one token takes the general pipeline too (comparisons, a way around this path)
 
@@ -75,11 +83,9 @@ def _decode_route_kernel(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E
                          HAS_SHARED: tl.constexpr, PDL: tl.constexpr = False):
     """One program: every slot's (group, weight) for the gate_up and down launches."""
     _pdl.enter(PDL)
-    cols = tl.arange(0, E_PAD)
-    logits = tl.zeros((1, E_PAD), dtype=tl.float32)
-    for s in tl.static_range(N_SPLITS):
-        logits += tl.load(logits_ptr + s * E_GLOBAL + cols[None, :], mask=(cols < E_GLOBAL)[None, :], other=0.0)
-    weights, ids = _top_k_rows(logits, cols, E_GLOBAL, TOP_K, K_PAD, RENORMALIZE)
+    row = tl.arange(0, 1)
+    weights, ids = _top_k_rows(_summed_logits(logits_ptr, row, 1, E_GLOBAL, N_SPLITS, E_PAD), tl.arange(0, E_PAD),
+                               E_GLOBAL, TOP_K, K_PAD, RENORMALIZE)
     slot = tl.arange(0, K_PAD)[None, :]
     routed = slot < TOP_K
     if HAS_MAP:
@@ -89,15 +95,8 @@ def _decode_route_kernel(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E
     tl.store(group_ptr + slot, groups, mask=routed)
     tl.store(weight_ptr + slot, weights, mask=routed)
     if HAS_SHARED:
-        if HAS_GATE:
-            gate = tl.load(gate_ptr)
-            for s in tl.static_range(1, N_SPLITS):
-                gate += tl.load(gate_ptr + s)
-            w_shared = tl.sigmoid(gate)
-        else:
-            w_shared = 1.0
-        tl.store(group_ptr + TOP_K, E_LOCAL)
-        tl.store(weight_ptr + TOP_K, w_shared)
+        tl.store(group_ptr + TOP_K + row, E_LOCAL + 0 * row)
+        tl.store(weight_ptr + TOP_K + row, _shared_weight(gate_ptr, row, 1, N_SPLITS, HAS_GATE))
 
 
 @triton.jit

@@ -111,6 +111,31 @@ def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENOR
 
 
 @triton.jit
+def _summed_logits(logits_ptr, rows, M, E, N_SPLITS: tl.constexpr, E_PAD: tl.constexpr):
+    """The logits ``[rows, E_PAD]`` fp32 of ``rows``: the split-K partials ``[N_SPLITS, M, E]`` summed in split order
+    (N_SPLITS constexpr: the partial loads are unrolled and all in flight at once)."""
+    cols = tl.arange(0, E_PAD)
+    ptrs = logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :]
+    mask = (rows < M)[:, None] & (cols < E)[None, :]
+    logits = tl.zeros((rows.shape[0], E_PAD), dtype=tl.float32)
+    for s in tl.static_range(N_SPLITS):
+        logits += tl.load(ptrs + s * M * E, mask=mask, other=0.0).to(tl.float32)
+    return logits
+
+
+@triton.jit
+def _shared_weight(gate_ptr, rows, M, N_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr):
+    """The shared expert's weight for ``rows``: sigmoid of the gate logit (its split partials ``[N_SPLITS, M]``
+    summed in order), 1 without a gate."""
+    gate = tl.zeros((rows.shape[0],), dtype=tl.float32)
+    if HAS_GATE:
+        for s in tl.static_range(N_SPLITS):
+            gate += tl.load(gate_ptr + s * M + rows, mask=rows < M, other=0.0)
+        return tl.sigmoid(gate)
+    return gate + 1.0
+
+
+@triton.jit
 def _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS: tl.constexpr,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                 HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
@@ -123,25 +148,15 @@ def _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_I
     n_out = TOP_K + HAS_SHARED
     cols = tl.arange(0, E_PAD)
     row_ok = rows < M
-    ptrs = logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :]
-    mask = row_ok[:, None] & (cols < E)[None, :]
-    logits = tl.zeros((rows.shape[0], E_PAD), dtype=tl.float32)
-    for s in tl.static_range(N_SPLITS):
-        logits += tl.load(ptrs + s * M * E, mask=mask, other=0.0).to(tl.float32)
-    weights, ids = _top_k_rows(logits, cols, E, TOP_K, K_PAD, RENORMALIZE)
+    weights, ids = _top_k_rows(_summed_logits(logits_ptr, rows, M, E, N_SPLITS, E_PAD), cols, E, TOP_K, K_PAD,
+                               RENORMALIZE)
     slot = tl.arange(0, K_PAD)
     out = rows[:, None] * n_out + slot[None, :]
     out_mask = row_ok[:, None] & (slot < TOP_K)[None, :]
     tl.store(weights_ptr + out, weights, mask=out_mask)
     tl.store(ids_ptr + out, ids, mask=out_mask)
     if HAS_SHARED:
-        gate = tl.zeros((rows.shape[0],), dtype=tl.float32)
-        if HAS_GATE:
-            for s in tl.static_range(N_SPLITS):
-                gate += tl.load(gate_ptr + s * M + rows, mask=row_ok, other=0.0)
-            w_shared = tl.sigmoid(gate)
-        else:
-            w_shared = gate + 1.0
+        w_shared = _shared_weight(gate_ptr, rows, M, N_SPLITS, HAS_GATE)
         tl.store(weights_ptr + rows * n_out + TOP_K, w_shared, mask=row_ok)
         tl.store(ids_ptr + rows * n_out + TOP_K, tl.zeros((rows.shape[0],), dtype=tl.int32) + SHARED_ID, mask=row_ok)
 
