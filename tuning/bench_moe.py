@@ -157,9 +157,9 @@ def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
     E, I = w["w13"].shape[0], w["w2"].shape[2]
     sw13, sw2, gate = w["shared"] if with_shared else (None, None, None)
     slots = top_k + int(with_shared)
+    logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
     if M == 1 and decode.enabled():  # one token: the decode path's launches (kernels_triton/moe/decode.py)
         cfg = decode.decode_config(H, I)
-        logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
 
         def route():  # noqa: ANN202
             return decode.route_one(logits, n_splits, top_k, True, n_local=E, expert_map=None, gate=with_shared,
@@ -175,7 +175,6 @@ def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
         }
         return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()} | {"combine": 0.0}
     up_cfg, down_cfg = config.configs(M, top_k, E, H, I, x.dtype, x.device)
-    logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
 
     def route_align():  # noqa: ANN202
         return align.route_and_align(logits, n_splits, top_k, True, n_experts=E, n_local=E, block_m=up_cfg.BLOCK_M,
