@@ -21,6 +21,7 @@ from helpers import assert_builds, assert_close, rel_err  # noqa: E402
 
 from kernels_triton import _config  # noqa: E402
 from kernels_triton import moe as tmoe  # noqa: E402
+from kernels_triton._arrival import arrival_counter  # noqa: E402
 from kernels_triton.moe import align as talign  # noqa: E402
 from kernels_triton.moe import config as tconfig  # noqa: E402
 from qwen35 import ops  # noqa: E402
@@ -153,8 +154,8 @@ def _assert_same_alignment(al, want):
 def _force_chunks(monkeypatch, chunk_slots):
     """Every input takes the two-launch path, in chunks of at most ``chunk_slots`` routed slots, <= 4 chunks when
     that fits (the last chunk is ragged unless M divides evenly), scan tiles of 1 chunk."""
-    for name, value in (("SINGLE_CHUNK_MAX", 0), ("CHUNK_SLOTS_MAX", chunk_slots), ("MAX_CHUNKS", 4),
-                        ("SCAN_TILE", 16)):
+    for name, value in (("SINGLE_CHUNK_MAX", 0), ("ALIGN_LAST_MAX_SLOTS", 0), ("CHUNK_SLOTS_MAX", chunk_slots),
+                        ("MAX_CHUNKS", 4), ("SCAN_TILE", 16)):
         monkeypatch.setattr(talign, name, value)
 
 
@@ -179,11 +180,13 @@ def test_alignment_equals_a_stable_sort(M, chunked, mapped, monkeypatch):
     _assert_same_alignment(al, _stable_sort_alignment(ids, n_local, 16, emap, shared=True))
 
 
-@pytest.mark.parametrize("M,chunked", [(1, False), (2, False), (3, True), (17, True), (130, True)])
+@pytest.mark.parametrize("M,chunked", [(1, False), (2, False), (17, False), (85, False), (3, True), (17, True),
+                                       (130, True)])
 @pytest.mark.parametrize("gate", [False, True])
 def test_route_and_align_equals_a_stable_sort(M, chunked, gate, monkeypatch):
-    """moe_block's routing + alignment (decode: one program; else route + count, scatter): the stable sort's
-    layout of the ids it returns, and the shared slot weighted sigmoid(x . gate) (1 without a gate)."""
+    """moe_block's routing + alignment (decode-sized: one launch, the last routing program aligns; else route +
+    count, scatter): the stable sort's layout of the ids it returns, and the shared slot weighted sigmoid(x . gate)
+    (1 without a gate)."""
     from kernels_triton.moe import routing as trouting
 
     if chunked:
@@ -292,7 +295,7 @@ def test_block_matches_reference(M, dtype, Is, gate, renormalize):
     assert_close(out, _ref_block(kw, 2, renormalize=renormalize), TOL[dtype], "moe_block")
 
 
-@pytest.mark.parametrize("M", [9, 40])  # decode (one program) and chunked routing
+@pytest.mark.parametrize("M", [9, 100])  # one launch (the last routing program aligns) and chunked routing
 def test_block_with_expert_map(M):
     gen = torch.Generator().manual_seed(8)
     kw = _block_inputs(gen, M, torch.float16, E=3)
@@ -305,6 +308,7 @@ def test_block_with_expert_map(M):
 @pytest.mark.parametrize("multi_chunk", [False, True])
 def test_block_is_deterministic(multi_chunk, monkeypatch):
     if multi_chunk:  # 33 tokens x (2 picks + shared): routed in chunks of two 16-token tiles
+        monkeypatch.setattr(talign, "ALIGN_LAST_MAX_SLOTS", 0)
         monkeypatch.setattr(talign, "MAX_CHUNKS", 2)
         monkeypatch.setattr(talign, "SCAN_TILE", 16)
     gen = torch.Generator().manual_seed(9)
@@ -339,8 +343,8 @@ def _one_token_calls(monkeypatch) -> list:
     (torch.float16, 8, 3, True, True, True, True),  # expert map: non-local picks dropped
 ])
 def test_one_token_block_matches_reference(dtype, E, k, shared, gate, renormalize, mapped, monkeypatch):
-    """Batch-1 decode (router GEMV, gate_up programs that route the token themselves, down GEMV summing the slots)
-    vs the fp64 reference; the same bits on a second call."""
+    """Batch-1 decode (router GEMV whose last program routes the token, gate_up GEMV, down GEMV summing the slots)
+    vs the fp64 reference; the same bits on a second call, and the arrival counter back at zero after each."""
     calls = _one_token_calls(monkeypatch)
     gen = torch.Generator().manual_seed(E + k)
     n_local = 3 if mapped else E
@@ -356,7 +360,10 @@ def test_one_token_block_matches_reference(dtype, E, k, shared, gate, renormaliz
     assert out.dtype == dtype and out.shape == (1, 64)
     want = _ref_block(kw, k, renormalize=renormalize, **{n: v.cpu() for n, v in extra.items()})
     assert_close(out, want, TOL[dtype], "moe_block, one token")
+    counter = arrival_counter(torch.device(DEVICE))
+    assert not counter.any(), "the last program did not reset the arrival counter"
     assert torch.equal(out, tmoe.moe_block(**kw, top_k=k, renormalize=renormalize, **extra)), "two runs differ"
+    assert not counter.any()
 
 
 def test_one_token_ties_and_switch(monkeypatch):
@@ -501,8 +508,8 @@ for bm, bn, bk, warps, stages, tiles_n in ((128, 128, 64, 8, 4, 1), (128, 256, 6
     build(X._down_kernel, down, dict(tma, TILES_N=tiles_n, **no_pdl), warps, stages)
 build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=True, BLOCK_H=1024))
 for pdl in (True, False):  # one token (kernels_triton.moe.decode)
-    build(D._decode_route_kernel, {"logits_ptr": f32, "gate_ptr": f32, "weight_ptr": f32},
-          dict(route, HAS_MAP=True, PDL=pdl), 1)
+    build(D._decode_router_kernel, dict(router, gate_w_ptr=bf, gate_ptr=f32, logits_ptr=f32, weight_ptr=f32),
+          dict(route, HAS_MAP=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, IEEE=False, PDL=pdl), 4)
     build(D._decode_gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf},
           dict(HAS_SHARED=True, BLOCK_N=1, BLOCK_K=512, PDL=pdl), 2)
     build(D._decode_down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weight_ptr": f32, "out_ptr": bf},

@@ -76,17 +76,24 @@ def time_graph_ms(fn: Callable[[], object], *, calls_per_graph: int = 20, rep: i
     return statistics.median(times)
 
 
-def host_us_per_call(fn: Callable[[], object], calls: int = 200) -> float:
-    """CPU wall time per call of back-to-back launches (no sync inside): the host cost when the GPU keeps up."""
+def host_us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 5) -> float:
+    """CPU wall time per call of back-to-back launches (no sync inside): the host cost when the GPU keeps up.
+
+    The median over ``rounds`` rounds of ``calls`` calls each (the GPU drained between rounds): a pause of the
+    (virtualised) host of a few ms inside a round moves that round's mean by tens of µs, and no longer the figure
+    (session 11's record gave 60 µs at 397B-TP8 where the same code took 29-41 µs on other calls)."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    per_round = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        per_round.append((t1 - t0) / calls * 1e6)
+    return statistics.median(per_round)
 
 
 def ceilings() -> dict[str, float]:

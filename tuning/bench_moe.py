@@ -148,7 +148,8 @@ def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
     """Each launch group of ours (as moe_block runs them) timed alone on its real inputs: where the GPU time goes.
 
     Timed by graph replay at every M, so host work is not in these numbers (it is in ``host_us``). One token: the
-    decode path's route (no alignment) in ``route_align``, its down GEMV (the combine fused, ``combine`` 0).
+    decode path's router GEMV that also routes (no alignment) in ``router_gemm`` (``route_align`` 0), its down GEMV
+    (the combine fused, ``combine`` 0).
     ``with_shared``: the fused shared expert (its gate as one more router column, one more group).
     """
     from kernels_triton.moe import align, config, decode, experts, routing
@@ -157,23 +158,24 @@ def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
     E, I = w["w13"].shape[0], w["w2"].shape[2]
     sw13, sw2, gate = w["shared"] if with_shared else (None, None, None)
     slots = top_k + int(with_shared)
-    logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
     if M == 1 and decode.enabled():  # one token: the decode path's launches (kernels_triton/moe/decode.py)
         cfg = decode.decode_config(H, I)
 
         def route():  # noqa: ANN202
-            return decode.route_one(logits, n_splits, top_k, True, n_local=E, expert_map=None, gate=with_shared,
+            return decode.route_one(x, w["router_weight"], top_k, True, n_local=E, expert_map=None, gate_weight=gate,
                                     shared=with_shared)
 
         groups, weights = route()
         h = decode.gate_up_one(x, w["w13"], sw13, groups, cfg)
         stages = {
-            "router_gemm": lambda: routing.router_logits(x, w["router_weight"], gate),
-            "route_align": route,
+            "router_gemm": route,  # the router GEMV whose last program routes
             "gate_up": lambda: decode.gate_up_one(x, w["w13"], sw13, groups, cfg),
             "down": lambda: decode.down_one(h, w["w2"], sw2, groups, weights, cfg),
         }
-        return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()} | {"combine": 0.0}
+        ms = {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()}
+        return {"router_gemm": ms["router_gemm"], "route_align": 0.0, "gate_up": ms["gate_up"], "down": ms["down"],
+                "combine": 0.0}
+    logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
     up_cfg, down_cfg = config.configs(M, top_k, E, H, I, x.dtype, x.device)
 
     def route_align():  # noqa: ANN202

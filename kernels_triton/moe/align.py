@@ -19,7 +19,8 @@ Two ways to get there:
 
 - up to SINGLE_CHUNK_MAX routed slots (decode), one program: histogram, padded starts, a sort of
   the (group, slot) keys, each key placed at its group's base plus its sorted position. For
-  ``moe_block`` the same program first routes the tokens (:func:`route_and_align`).
+  ``moe_block`` (up to ALIGN_LAST_MAX_SLOTS) that program is the last of the routing programs to finish
+  (:func:`route_and_align`): one launch routes and aligns.
 - beyond, two launches over chunks of whole tokens (each a few route tiles, at most
   CHUNK_SLOTS_MAX routed slots, at most ~MAX_CHUNKS chunks): count (for ``moe_block`` it routes the
   chunk's tokens first, then stores the chunk's histogram), and scatter: each program sums every
@@ -38,13 +39,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton._arrival import arrival_counter, last_to_arrive
 from kernels_triton._launch import DirectLauncher, aligned16
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.routing import _route_tile, cdiv, gate_logits, pow2, route_launch_params, route_warps
 
 SINGLE_CHUNK_MAX = 1024  # routed slots handled by one fused program
-FUSED_ROUTE_MAX_M = 2  # tokens whose routing runs in the same program as their alignment (H200: 16 tokens took
-# 10.6 / 36 us in one program vs 5.6 / 8.2 us spread over programs; one token 3.9 / 5.7 us vs 4.8 / 7.0 us)
+ALIGN_LAST_MAX_SLOTS = 256  # up to this many routed slots moe_block routes spread over programs and the last of them
+# aligns alone (:func:`_route_align_kernel`); beyond, the two chunked launches
 MAX_CHUNKS = 256  # the multi-chunk path grows its chunks beyond this many
 CHUNK_SLOTS_MAX = 1024  # ... but keeps each chunk's routed slots within one sort of this size
 SCAN_TILE = 16384  # elements of the [chunks, groups] tiles each scatter program sums
@@ -78,7 +80,8 @@ def _routed_slot(q, TOP_K: tl.constexpr, SLOTS: tl.constexpr):
 @triton.jit
 def _slot_groups(ids_ptr, map_ptr, slots, in_range, E_GLOBAL, HAS_MAP: tl.constexpr):
     """Group of each routed slot: its local expert id, -1 if dropped (held elsewhere or out of range)."""
-    ids = tl.load(ids_ptr + slots, mask=in_range, other=-1).to(tl.int32)
+    ids = tl.load(ids_ptr + slots, mask=in_range, other=-1, cache_modifier=".cg").to(tl.int32)  # maybe stored by
+    # other programs of this launch (:func:`_route_align_kernel`): past L1
     routed = in_range & (ids >= 0) & (ids < E_GLOBAL)
     if HAS_MAP:
         group = tl.load(map_ptr + ids, mask=routed, other=-1).to(tl.int32)
@@ -160,20 +163,20 @@ def _align_single_kernel(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr,
 
 @triton.jit
 def _route_align_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr,
-                        block_group_ptr, group_start_ptr, group_count_ptr, total_blocks_ptr, M, E_GLOBAL, E_LOCAL,
-                        N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                        ROWS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
+                        block_group_ptr, group_start_ptr, group_count_ptr, total_blocks_ptr, count_ptr, M, E_GLOBAL,
+                        E_LOCAL, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+                        E_PAD: tl.constexpr, ROWS: tl.constexpr, RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr,
                         HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr, N_PAD: tl.constexpr,
                         G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, PDL: tl.constexpr = False):
-    """Decode: route the M tokens, then align their slots, in one program (one launch fewer)."""
+    """Decode-sized batches: each program routes ROWS tokens, and the last to finish (:mod:`kernels_triton._arrival`)
+    aligns every slot alone (one launch instead of route + count and scatter)."""
     _pdl.enter(PDL)
-    for r0 in range(0, M, ROWS):
-        _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, r0 + tl.arange(0, ROWS), M, E_GLOBAL, E_GLOBAL,
-                    N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
-    tl.debug_barrier()  # the ids just stored are read back by other threads of this program
-    _align_single(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
-                  group_count_ptr, total_blocks_ptr, M, E_GLOBAL, E_LOCAL, TOP_K, HAS_MAP, HAS_SHARED, N_PAD, G_PAD,
-                  BLOCK_M)
+    _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, tl.program_id(0) * ROWS + tl.arange(0, ROWS), M,
+                E_GLOBAL, E_GLOBAL, N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
+    if last_to_arrive(count_ptr, tl.num_programs(0)):
+        _align_single(ids_ptr, map_ptr, slot_group_ptr, base_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
+                      group_count_ptr, total_blocks_ptr, M, E_GLOBAL, E_LOCAL, TOP_K, HAS_MAP, HAS_SHARED, N_PAD,
+                      G_PAD, BLOCK_M)
 
 
 @triton.jit
@@ -346,8 +349,9 @@ def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize
     """Routing of ``logits`` (see :func:`kernels_triton.moe.routing.route`) and the alignment of its picks.
 
     ``logits``: from :func:`kernels_triton.moe.routing.router_logits` (with ``gate``, the gate partials
-    follow it). Decode-sized batches do both in one program; larger ones in two launches (route + count,
-    scatter). ``pdl``: the one-program launch with programmatic dependent launch (:mod:`kernels_triton.moe.pdl`).
+    follow it). Decode-sized batches do both in one launch (routing spread over programs, the last of them
+    aligns); larger ones in two launches (route + count, scatter). ``pdl``: the one-launch form with programmatic
+    dependent launch (:mod:`kernels_triton.moe.pdl`).
     """
     M = logits.shape[-2]
     slots = top_k + int(shared)
@@ -356,17 +360,17 @@ def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize
     ids = torch.empty(M, slots, dtype=torch.int32, device=dev)
     al = _outputs(M * slots, n_local + int(shared), block_m, dev)
     gate_part = gate_logits(logits, n_splits) if gate else logits
-    one_program = M <= FUSED_ROUTE_MAX_M and M * top_k <= SINGLE_CHUNK_MAX
-    route = dict(route_launch_params(M, n_experts, top_k, one_program), N_SPLITS=n_splits,
-                 RENORMALIZE=bool(renormalize), HAS_GATE=bool(gate), HAS_SHARED=bool(shared))
-    if not one_program:
+    align_last = M * top_k <= ALIGN_LAST_MAX_SLOTS
+    route = dict(route_launch_params(M, n_experts, top_k), N_SPLITS=n_splits, RENORMALIZE=bool(renormalize),
+                 HAS_GATE=bool(gate), HAS_SHARED=bool(shared))
+    if not align_last:
         _align_chunks(al, M, top_k, bool(shared), route=route, logits=logits, gate=gate_part, weights=weights,
                       ids=ids, expert_map=expert_map, e_global=n_experts, n_local=n_local)
         return weights, ids, al
     base = torch.empty(max(n_local, 1), dtype=torch.int32, device=dev)
-    _launch_route_align[(1,)](
+    _launch_route_align[(cdiv(M, route["ROWS"]),)](
         logits, gate_part, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, base,
-        al.sorted_slots, al.block_group, al.group_start, al.group_count, al.total_blocks, M, n_experts, n_local,
-        HAS_MAP=expert_map is not None, N_PAD=_pow2(M * top_k), G_PAD=_pow2(n_local), BLOCK_M=block_m, num_warps=4,
-        PDL=pdl, **route, **_pdl.options(pdl))
+        al.sorted_slots, al.block_group, al.group_start, al.group_count, al.total_blocks, arrival_counter(dev), M,
+        n_experts, n_local, HAS_MAP=expert_map is not None, N_PAD=_pow2(M * top_k), G_PAD=_pow2(n_local),
+        BLOCK_M=block_m, num_warps=max(4, route_warps(route)), PDL=pdl, **route, **_pdl.options(pdl))
     return weights, ids, al

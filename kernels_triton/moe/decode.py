@@ -1,11 +1,12 @@
-"""The MoE block for one token (batch-1 decode): router GEMV -> route -> gate_up GEMV -> down GEMV + combine.
+"""The MoE block for one token (batch-1 decode): router GEMV + route -> gate_up GEMV -> down GEMV + combine.
 
 At one token the block is a weight stream (35B-A3B: 8 experts + the shared one, 57 MB, ~14 µs at the H200's copy
 rate). The general pipeline runs it as five launches: router, route + align (one program: a histogram, scans
 and a sort over every expert, for nine slots), gate_up and down as 16-row tensor-core tiles holding one real row,
-and a combine. Here:
+and a combine. Here three:
 
-- **route** (one program, one warp): softmax -> top-k -> renormalise from the router's split-K partials
+- **router + route**: the router's split-K GEMV tiles (as the general router), and the last of its programs to
+  finish (:mod:`kernels_triton._arrival`) routes the token: softmax -> top-k -> renormalise from the partials
   (:func:`kernels_triton.moe.routing._top_k_rows`: the same picks and weights as routing, ties to the lowest id),
   each pick's local expert through the expert map (-1: held elsewhere), the shared expert as the last slot with
   weight ``sigmoid(gate logit)``. No alignment: each slot is its own group (top-k ids are distinct).
@@ -15,10 +16,10 @@ and a combine. Here:
   ``weight_j * (h_j W2_j^T)`` over the slots in fp32 (the combine, fused; a fixed-order tree) and stores its columns
   of the output.
 
-Deterministic (no atomics, fixed orders). The output differs from the general pipeline's in the last bits (the
-GEMV's summation order; no rounding of each slot's row to the activation dtype before the sum). Programmatic
-dependent launch only when ``QWEN35_MOE_PDL=1`` asks for it: on the H200 these launches were 1.5-7 µs slower with it
-(tuning/notes_moe.md, session 11).
+Deterministic (fixed orders; the one atomic only elects the program that routes). The output differs from the
+general pipeline's in the last bits (the GEMV's summation order; no rounding of each slot's row to the activation
+dtype before the sum). Programmatic dependent launch only when ``QWEN35_MOE_PDL=1`` asks for it: on the H200 these
+launches were 1.5-7 µs slower with it (tuning/notes_moe.md, session 11).
 """
 
 from __future__ import annotations
@@ -30,18 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton._arrival import arrival_counter, last_to_arrive
 from kernels_triton._launch import DirectLauncher, aligned16
 from kernels_triton._pdl import env_choice as _env_choice
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.experts import _expert_weights
 from kernels_triton.moe.routing import (
+    _router_tile,
     _shared_weight,
     _summed_logits,
     _top_k_rows,
     cdiv,
-    gate_logits,
     pow2,
-    router_logits,
+    router_launch,
+    router_partials,
 )
 
 ENV = "QWEN35_MOE_DECODE"  # "0": one token takes the general pipeline too (comparisons, a way around this path)
@@ -77,12 +80,11 @@ def decode_config(H: int, I: int) -> DecodeConfig:
 
 
 @triton.jit
-def _decode_route_kernel(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E_GLOBAL, E_LOCAL,
-                         N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_MAP: tl.constexpr,
-                         HAS_SHARED: tl.constexpr, PDL: tl.constexpr = False):
-    """One program: every slot's (group, weight) for the gate_up and down launches."""
-    _pdl.enter(PDL)
+def _route_one_token(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E_GLOBAL, E_LOCAL,
+                     N_SPLITS: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr,
+                     RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_MAP: tl.constexpr,
+                     HAS_SHARED: tl.constexpr):
+    """Every slot's (group, weight) for the gate_up and down launches, from the router's split-K partials."""
     row = tl.arange(0, 1)
     weights, ids = _top_k_rows(_summed_logits(logits_ptr, row, 1, E_GLOBAL, N_SPLITS, E_PAD), tl.arange(0, E_PAD),
                                E_GLOBAL, TOP_K, K_PAD, RENORMALIZE)
@@ -97,6 +99,23 @@ def _decode_route_kernel(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E
     if HAS_SHARED:
         tl.store(group_ptr + TOP_K + row, E_LOCAL + 0 * row)
         tl.store(weight_ptr + TOP_K + row, _shared_weight(gate_ptr, row, 1, N_SPLITS, HAS_GATE))
+
+
+@triton.jit
+def _decode_router_kernel(x_ptr, w_ptr, gate_w_ptr, logits_ptr, gate_ptr, count_ptr, map_ptr, group_ptr, weight_ptr,
+                          H, E_GLOBAL, E_LOCAL, K_PER_SPLIT, N_SPLITS: tl.constexpr, TOP_K: tl.constexpr,
+                          K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
+                          HAS_GATE: tl.constexpr, HAS_MAP: tl.constexpr, HAS_SHARED: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+                          PDL: tl.constexpr = False):
+    """Router GEMV tile ``(program_id(0), program_id(2))`` (the general router's split-K partials); the last
+    program to finish routes the token (:func:`_route_one_token`)."""
+    _pdl.enter(PDL)
+    _router_tile(x_ptr, w_ptr, gate_w_ptr, logits_ptr, gate_ptr, tl.program_id(0), 0, tl.program_id(2), 1, H,
+                 E_GLOBAL, K_PER_SPLIT, HAS_GATE, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
+    if last_to_arrive(count_ptr, tl.num_programs(0) * tl.num_programs(2)):
+        _route_one_token(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E_GLOBAL, E_LOCAL, N_SPLITS, TOP_K,
+                         K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_MAP, HAS_SHARED)
 
 
 @triton.jit
@@ -162,25 +181,31 @@ def _decode_down_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_p
 
 
 # launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
-_launch_route = DirectLauncher(_decode_route_kernel)
+_launch_router = DirectLauncher(_decode_router_kernel)
 _launch_gate_up = DirectLauncher(_decode_gate_up_kernel)
 _launch_down = DirectLauncher(_decode_down_kernel)
 
 
-def route_one(logits: torch.Tensor, n_splits: int, top_k: int, renormalize: bool, *, n_local: int,
-              expert_map: torch.Tensor | None, gate: bool, shared: bool,
+def route_one(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, *, n_local: int,
+              expert_map: torch.Tensor | None, gate_weight: torch.Tensor | None, shared: bool,
               pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """(groups int32, weights fp32) ``[slots]`` of the token from the router's partials ``logits`` ``[n_splits, 1,
-    E]`` (:func:`kernels_triton.moe.routing.router_logits`; ``gate``: with the shared expert's gate partials)."""
-    n_experts = logits.shape[-1]
+    """(groups int32, weights fp32) ``[slots]`` of the token ``x`` ``[1, H]``: the router GEMV (the general
+    router's tiles and split-K partials, :func:`kernels_triton.moe.routing.router_launch`) whose last program
+    routes the token (:mod:`kernels_triton._arrival`). ``gate_weight``: the shared expert's gate (its partials ride
+    the router's)."""
+    H, E = x.shape[1], router_weight.shape[0]
+    grid, k_per_split, launch = router_launch(1, H, E)
+    n_splits = grid[2]
+    logits, gate_part = router_partials(1, E, n_splits, gate_weight is not None, x.device)
     slots = top_k + int(shared)
-    ints = torch.empty(2 * aligned16(slots), dtype=torch.int32, device=logits.device)
+    ints = torch.empty(2 * aligned16(slots), dtype=torch.int32, device=x.device)
     groups, weights = ints[:slots], ints[aligned16(slots):aligned16(slots) + slots].view(torch.float32)
-    _launch_route[(1,)](
-        logits, gate_logits(logits, n_splits) if gate else logits, expert_map if expert_map is not None else groups,
-        groups, weights, n_experts, n_local, N_SPLITS=n_splits, TOP_K=top_k, K_PAD=pow2(top_k, 2),
-        E_PAD=pow2(n_experts, 16), RENORMALIZE=bool(renormalize), HAS_GATE=gate, HAS_MAP=expert_map is not None,
-        HAS_SHARED=shared, PDL=pdl, num_warps=1, **_pdl.options(pdl))
+    _launch_router[grid](
+        x, router_weight, gate_weight if gate_weight is not None else router_weight, logits, gate_part,
+        arrival_counter(x.device), expert_map if expert_map is not None else groups, groups, weights, H, E, n_local,
+        k_per_split, N_SPLITS=n_splits, TOP_K=top_k, K_PAD=pow2(top_k, 2), E_PAD=pow2(E, 16),
+        RENORMALIZE=bool(renormalize), HAS_GATE=gate_weight is not None, HAS_MAP=expert_map is not None,
+        HAS_SHARED=shared, IEEE=x.dtype == torch.float32, PDL=pdl, **launch, **_pdl.options(pdl))
     return groups, weights
 
 
@@ -216,8 +241,7 @@ def moe_block_one_token(x: torch.Tensor, router_weight: torch.Tensor, w13: torch
     routed ones (the caller checks). ``cfg``: launch shape (default :func:`decode_config`)."""
     shared = shared_w13 is not None
     cfg = cfg or decode_config(x.shape[1], w2.shape[2])
-    logits, n_splits = router_logits(x, router_weight, shared_gate_weight if shared else None, pdl=pdl)
-    groups, weights = route_one(logits, n_splits, top_k, renormalize, n_local=w13.shape[0], expert_map=expert_map,
-                                gate=shared and shared_gate_weight is not None, shared=shared, pdl=pdl)
+    groups, weights = route_one(x, router_weight, top_k, renormalize, n_local=w13.shape[0], expert_map=expert_map,
+                                gate_weight=shared_gate_weight if shared else None, shared=shared, pdl=pdl)
     h = gate_up_one(x, w13, shared_w13, groups, cfg, pdl)
     return down_one(h, w2, shared_w2, groups, weights, cfg, pdl)

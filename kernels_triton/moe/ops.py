@@ -5,8 +5,9 @@ capturable): router GEMM (fp32 logits, split-K at small M) -> softmax/top-k/reno
 alignment by expert -> gate_up GEMM with SiLU-mul epilogue -> down GEMM scaled by the router
 weight, one output row per (token, pick) -> fixed-order sum over the picks.
 
-One token (batch-1 decode) takes four smaller launches instead (:mod:`.decode`): router GEMV, a one-warp route,
-a gate_up GEMV, and a down GEMV that also sums the slots.
+One token (batch-1 decode) takes three smaller launches instead (:mod:`.decode`): the router GEMV whose last
+program routes the token, a gate_up GEMV, and a down GEMV that also sums the slots. Other decode-sized batches route
+and align in one launch (:func:`.align.route_and_align`).
 
 Shared expert: when its intermediate size equals the routed experts' (every Qwen3.5 MoE size,
 also under TP), it rides the same pipeline as one extra group that every token picks, with its

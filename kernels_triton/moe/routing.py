@@ -54,18 +54,15 @@ def _router_dots(x_ptr, w_ptr, gate_ptr, rows, cols, M, H, E, k_first, K_PER_SPL
 
 
 @triton.jit
-def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, K_PER_SPLIT,
-                          HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-    """out[s, m, n] = x[m] . W[n] and gate_out[s, m] = x[m] . gate over split s's slice of H.
+def _router_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, pid_n, pid_m, pid_s, M, H, E, K_PER_SPLIT,
+                 HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 IEEE: tl.constexpr):
+    """Store out[s, m, n] = x[m] . W[n] and gate_out[s, m] = x[m] . gate over split ``pid_s``'s slice of H for the
+    ``(pid_m, pid_n)`` tile.
 
     The column-tile-0 programs also compute the gate logits, from the x tiles they load anyway (a
     branch outside the K loop: each variant of the loop stays branch-free for the pipeliner).
-    Column tiles are the fastest grid axis: the programs sharing a tile of x run together and read
-    it from L2 (x-major order re-read x from DRAM once per column tile: 4x at E = 512).
     """
-    _pdl.enter(PDL)
-    pid_n, pid_m, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     k_first = pid_s * K_PER_SPLIT
@@ -78,6 +75,20 @@ def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E
                               IEEE)
     out = out_ptr + pid_s * M * E + rows[:, None] * E + cols[None, :]
     tl.store(out, acc, mask=(rows < M)[:, None] & (cols < E)[None, :])
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, K_PER_SPLIT,
+                          HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
+    """The router's split-K partials, one :func:`_router_tile` per program.
+
+    Column tiles are the fastest grid axis: the programs sharing a tile of x run together and read
+    it from L2 (x-major order re-read x from DRAM once per column tile: 4x at E = 512).
+    """
+    _pdl.enter(PDL)
+    _router_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, tl.program_id(0), tl.program_id(1),
+                 tl.program_id(2), M, H, E, K_PER_SPLIT, HAS_GATE, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
 
 
 @triton.jit
@@ -113,13 +124,15 @@ def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENOR
 @triton.jit
 def _summed_logits(logits_ptr, rows, M, E, N_SPLITS: tl.constexpr, E_PAD: tl.constexpr):
     """The logits ``[rows, E_PAD]`` fp32 of ``rows``: the split-K partials ``[N_SPLITS, M, E]`` summed in split order
-    (N_SPLITS constexpr: the partial loads are unrolled and all in flight at once)."""
+    (N_SPLITS constexpr: the partial loads are unrolled and all in flight at once). The loads skip L1 (``.cg``):
+    the partials may come from other programs of the same launch (:mod:`kernels_triton.moe.decode`), which L1 does
+    not see."""
     cols = tl.arange(0, E_PAD)
     ptrs = logits_ptr + rows[:, None].to(tl.int64) * E + cols[None, :]
     mask = (rows < M)[:, None] & (cols < E)[None, :]
     logits = tl.zeros((rows.shape[0], E_PAD), dtype=tl.float32)
     for s in tl.static_range(N_SPLITS):
-        logits += tl.load(ptrs + s * M * E, mask=mask, other=0.0).to(tl.float32)
+        logits += tl.load(ptrs + s * M * E, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
     return logits
 
 
@@ -130,7 +143,7 @@ def _shared_weight(gate_ptr, rows, M, N_SPLITS: tl.constexpr, HAS_GATE: tl.const
     gate = tl.zeros((rows.shape[0],), dtype=tl.float32)
     if HAS_GATE:
         for s in tl.static_range(N_SPLITS):
-            gate += tl.load(gate_ptr + s * M + rows, mask=rows < M, other=0.0)
+            gate += tl.load(gate_ptr + s * M + rows, mask=rows < M, other=0.0, cache_modifier=".cg")
         return tl.sigmoid(gate)
     return gate + 1.0
 
@@ -186,19 +199,15 @@ def pow2(n: int, lo: int = 1) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def route_launch_params(M: int, E: int, top_k: int, one_program: bool = False) -> dict:
+def route_launch_params(M: int, E: int, top_k: int) -> dict:
     """Constexprs of a route tile: rows per tile sized so that [rows, E_PAD] stays within ROUTE_TILE elements.
 
-    Routing spread over programs (``one_program`` False) uses fewer rows per tile until there are
-    ~64 tiles, so small batches still route in parallel, and up to twice the elements (with 8 warps,
-    :func:`route_warps`) at large M, where each program routes a chunk of several tiles in turn.
+    Fewer rows per tile until there are ~64 tiles, so small batches still route in parallel, and up to twice the
+    elements (with 8 warps, :func:`route_warps`) at large M, where each program routes a chunk of several tiles in
+    turn.
     """
     e_pad = pow2(E, 16)
-    if one_program:
-        rows = min(16, ROUTE_TILE // e_pad, pow2(M))
-    else:
-        rows = min(32, 2 * ROUTE_TILE // e_pad, pow2(cdiv(M, 64)))
-    rows = max(1, rows)
+    rows = max(1, min(32, 2 * ROUTE_TILE // e_pad, pow2(cdiv(M, 64))))
     return dict(TOP_K=top_k, K_PAD=pow2(top_k, 2), E_PAD=e_pad, ROWS=rows)
 
 
@@ -259,6 +268,16 @@ def router_launch(M: int, H: int, E: int) -> tuple[tuple[int, int, int], int, di
                                    num_stages=stages)
 
 
+def router_partials(M: int, E: int, n_splits: int, gate: bool,
+                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits ``[n_splits, M, E]``, gate partials ``[n_splits, M]`` -- the logits again without ``gate``): the
+    router GEMM's outputs in one fp32 allocation (see :func:`router_logits`)."""
+    n_logits = n_splits * M * E
+    buffer = torch.empty(aligned16(n_logits) + (n_splits * M if gate else 0), dtype=torch.float32, device=device)
+    out = buffer[:n_logits].view(n_splits, M, E)
+    return out, gate_logits(out, n_splits) if gate else out
+
+
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
                   gate_weight: torch.Tensor | None, pdl: bool = False) -> tuple[torch.Tensor, int]:
     """fp32 split-K partials of the router logits ``[n_splits, M, E]``; returns (partials, n_splits).
@@ -271,11 +290,7 @@ def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
     E = router_weight.shape[0]
     grid, k_per_split, launch = router_launch(M, H, E)
     n_splits = grid[2]
-    n_logits = n_splits * M * E
-    buffer = torch.empty(aligned16(n_logits) + (n_splits * M if gate_weight is not None else 0), dtype=torch.float32,
-                         device=x.device)
-    out = buffer[:n_logits].view(n_splits, M, E)
-    gate_out = gate_logits(out, n_splits) if gate_weight is not None else out
+    out, gate_out = router_partials(M, E, n_splits, gate_weight is not None, x.device)
     _launch_router_logits[grid](
         x, router_weight, gate_weight if gate_weight is not None else router_weight, out, gate_out, M, H, E,
         k_per_split, HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32, PDL=pdl, **launch,

@@ -159,9 +159,12 @@ def test_block_is_bit_identical_across_runs(M):
         assert torch.equal(first, moe.moe_block(x, top_k=k, **w))
 
 
-@pytest.mark.parametrize("M", [1, 64])
-def test_block_captures_in_a_cuda_graph(M):
-    from kernels_triton import moe
+@pytest.mark.parametrize("M,counter_in_capture", [(1, False), (1, True), (64, False)])
+def test_block_captures_in_a_cuda_graph(M, counter_in_capture):
+    """A captured block replays the eager block's bits, replays interleaved with eager calls included (both use the
+    device's arrival counter: kernels_triton._arrival). ``counter_in_capture``: the counter is first asked for inside
+    the capture, so the graph gets its own, zeroed by a node of the graph."""
+    from kernels_triton import _arrival, moe
 
     E, k, H, _ = SHAPES["E256k8"]
     w = _weights("E256k8", torch.bfloat16)
@@ -172,13 +175,22 @@ def test_block_captures_in_a_cuda_graph(M):
     with torch.cuda.stream(stream):
         moe.moe_block(x, top_k=k, **w)
     torch.cuda.current_stream().wait_stream(stream)
+    kept = dict(_arrival._COUNTERS)
+    if counter_in_capture:
+        _arrival._COUNTERS.clear()
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = moe.moe_block(x, top_k=k, **w)
-    x.copy_(_x(M, H, torch.bfloat16, seed=4))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(captured, moe.moe_block(x, top_k=k, **w)) and not torch.equal(captured, eager)
+    try:
+        with torch.cuda.graph(graph):
+            captured = moe.moe_block(x, top_k=k, **w)
+        if counter_in_capture:
+            assert not _arrival._COUNTERS, "a counter zeroed inside a capture was kept for eager calls"
+    finally:
+        _arrival._COUNTERS.update(kept)
+    for seed in range(4, 8):
+        x.copy_(_x(M, H, torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, moe.moe_block(x, top_k=k, **w)) and not torch.equal(captured, eager), seed
 
 
 @pytest.mark.parametrize("M", [1, 17, 1024])
