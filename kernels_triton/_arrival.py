@@ -7,31 +7,44 @@ draws the last ticket reads every part back (loads that skip L1: ``cache_modifie
 counter back to zero for the next launch. The order of the finishing work does not depend on which program came
 last, so the results are as deterministic as with a separate launch.
 
-One counter per device, zeroed once when first asked for outside a graph capture. Launches that use it therefore
-run one at a time on a device (stream order, as every op of this package): two such launches running at once on
-different streams would share the ticket count. Asked for first *inside* a capture, the counter is zeroed by a node
-of the graph being captured and belongs to that graph alone (not kept for later calls, which never saw it zeroed).
+One counter per device and calling thread, zeroed once when first asked for outside a graph capture. Launches
+that use one counter must run one at a time (stream order: one thread's calls, as every op of this package issues
+them); two such launches running at once -- one thread's calls on two streams at the same time, or a graph captured
+in one thread replayed while that thread's own calls run on another stream -- would share the ticket count. Asked
+for first *inside* a capture, the counter is zeroed by a node of the graph being captured and belongs to that graph
+alone (not kept for later calls, which never saw it zeroed).
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 import triton
 import triton.language as tl
 
-_COUNTERS: dict[str, torch.Tensor] = {}
+_local = threading.local()
+
+
+def counters() -> dict[str, torch.Tensor]:
+    """This thread's counters by device."""
+    found = getattr(_local, "counters", None)
+    if found is None:
+        found = _local.counters = {}
+    return found
 
 
 def arrival_counter(device: torch.device) -> torch.Tensor:
-    """The zeroed int32 counter of ``device`` for :func:`last_to_arrive` (see the module docstring)."""
+    """This thread's zeroed int32 counter on ``device`` for :func:`last_to_arrive` (see the module docstring)."""
+    mine = counters()
     key = str(device)
-    counter = _COUNTERS.get(key)
+    counter = mine.get(key)
     if counter is not None:
         return counter
     counter = torch.zeros(4, dtype=torch.int32, device=device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return counter
-    _COUNTERS[key] = counter
+    mine[key] = counter
     return counter
 
 

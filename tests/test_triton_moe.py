@@ -366,6 +366,21 @@ def test_one_token_block_matches_reference(dtype, E, k, shared, gate, renormaliz
     assert not counter.any()
 
 
+def test_arrival_counter_per_thread():
+    """One zeroed counter per device and thread (kernels_triton._arrival): the same tensor again in one thread,
+    another in a second thread."""
+    import threading
+
+    dev = torch.device(DEVICE)
+    mine = arrival_counter(dev)
+    assert mine is arrival_counter(dev) and mine.dtype == torch.int32 and not mine.any()
+    other = []
+    thread = threading.Thread(target=lambda: other.append(arrival_counter(dev)))
+    thread.start()
+    thread.join()
+    assert other[0] is not mine and not other[0].any()
+
+
 def test_one_token_ties_and_switch(monkeypatch):
     """Equal router logits pick the lowest ids, as routing does; QWEN35_MOE_DECODE=0 takes the general pipeline
     (same picks, so the same output to rounding); any other value is refused by name."""

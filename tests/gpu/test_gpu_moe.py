@@ -175,17 +175,17 @@ def test_block_captures_in_a_cuda_graph(M, counter_in_capture):
     with torch.cuda.stream(stream):
         moe.moe_block(x, top_k=k, **w)
     torch.cuda.current_stream().wait_stream(stream)
-    kept = dict(_arrival._COUNTERS)
+    kept = dict(_arrival.counters())
     if counter_in_capture:
-        _arrival._COUNTERS.clear()
+        _arrival.counters().clear()
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
             captured = moe.moe_block(x, top_k=k, **w)
         if counter_in_capture:
-            assert not _arrival._COUNTERS, "a counter zeroed inside a capture was kept for eager calls"
+            assert not _arrival.counters(), "a counter zeroed inside a capture was kept for eager calls"
     finally:
-        _arrival._COUNTERS.update(kept)
+        _arrival.counters().update(kept)
     for seed in range(4, 8):
         x.copy_(_x(M, H, torch.bfloat16, seed=seed))
         graph.replay()
