@@ -122,7 +122,7 @@ def _decode_router_kernel(x_ptr, w_ptr, gate_w_ptr, logits_ptr, gate_ptr, count_
 def _decode_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, h_ptr, group_ptr, H, I, E_LOCAL,
                            HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                            PDL: tl.constexpr = False):
-    """Slot ``program_id(0)``'s ``h`` columns ``program_id(1) * BLOCK_N ..`` (group from the route launch): a GEMV
+    """Slot ``program_id(0)``'s ``h`` columns ``program_id(1) * BLOCK_N ..`` (group from the router launch): a GEMV
     over H."""
     _pdl.enter(PDL)
     j = tl.program_id(0)
