@@ -856,7 +856,7 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
         # 1x16384 0.39 -> 0.35; eager (events) 0.79-0.87 -> 0.69-0.76 at 397B-TP8 1x32768. A part costs the host
         # ~100 µs of launches and events, so a part holds >= 8192 tokens (parts apply to one sequence only;
         # gdn_chunk_prefill checks). At 32-48 pairs the split scan in parts loses to the one-pass scan (set t).
-        parts = max(1, min(6, per_seq // 8192)) if N == 1 else 1
+        parts = _segment_parts(N, per_seq)
         return {"BV": 16, "num_warps": 4, "num_stages": stages, "SPLIT": True, "SEGMENTS": parts,
                 "SEG_PREPARE": parts > 1}
     if pairs >= 16:
@@ -875,11 +875,17 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
     # 35B-A3B 1x32768 1.54 -> 1.41 / 1.40 / 1.40 ms, 27B-TP1 2.06 -> 1.88 / 1.82 / 1.80; one part -> this rule
     # (gdn_segments_s11_nvidia_h200.json): 35B 1x16384 / 1x32768 / 1x65536 0.79 -> 0.73, 1.56 -> 1.42, 3.08 -> 2.76,
     # 27B-TP1 1.06 -> 0.96, 2.08 -> 1.81, 4.11 -> 3.52. The split path's part length (>= 8192 tokens, at most 6).
-    parts = max(1, min(6, per_seq // 8192)) if N == 1 else 1
+    parts = _segment_parts(N, per_seq)
     if parts > 1:
         return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages, "SEGMENTS": parts,
                                         "SEG_PREPARE": True}, dtype, V)
     return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages}, dtype, V)
+
+
+def _segment_parts(N: int, per_seq: int) -> int:
+    """Parts of one sequence's scan (both scan forms, see :func:`_scan_config`): one per 8192 tokens, at most 6; a
+    batch of several sequences runs in one part."""
+    return max(1, min(6, per_seq // 8192)) if N == 1 else 1
 
 
 def _miscompiled_scan(dtype: torch.dtype, BV: int, stages: int) -> bool:
