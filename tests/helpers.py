@@ -1,4 +1,5 @@
-"""Small helpers shared by the op tests: relative error with a readable failure, random GDN inputs."""
+"""Small helpers shared by the op tests: relative error with a readable failure, random GDN inputs, CUDA-graph
+capture."""
 
 from __future__ import annotations
 
@@ -17,6 +18,21 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "output") -> None:
     err = rel_err(out, ref)
     assert err <= tol, f"{what}: rel err {err:.3e} > {tol:.1e} (ratio {err / tol:.2f}x)"
+
+
+def capture_graph(fn, warm):  # noqa: ANN001, ANN201
+    """(CUDA graph of ``fn()``, what the captured call returned), after ``warm()`` on a side stream so that every
+    kernel is compiled outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        warm()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn()
+    return graph, captured
 
 
 def cu_from_lens(lens: list[int], device: str | torch.device = "cpu") -> torch.Tensor:

@@ -214,22 +214,32 @@ def test_segments_apply_to_one_sequence_only(monkeypatch):
     kt.gdn_chunk_prefill(**d, cu_seqlens=cu_from_lens([300], DEV), scan_config={
         "BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": True, "SEGMENTS": 3})
     assert launched == [(0, 2), (2, 4), (4, 5)]
+    launched.clear()  # the one-pass scan's parts shrink by ONE_PASS_SEGMENT_RATIO
+    monkeypatch.setattr(chunk, "ONE_PASS_SEGMENT_RATIO", 0.6)
+    kt.gdn_chunk_prefill(**d, cu_seqlens=cu_from_lens([300], DEV), scan_config={
+        "BV": 16, "num_warps": 4, "num_stages": 2, "SEGMENTS": 3, "SEG_PREPARE": True})
+    assert launched == [(0, 3), (3, 4), (4, 5)]
 
 
 def test_segment_cuts():
     """Segments cover the sequence's chunks in order, none empty; the last is half as long as the others (its output
-    has no scan part beside it), other ratios on request."""
-    from kernels_triton.gdn.chunk import segment_cuts
+    has no scan part beside it), other ratios on request; or (the one-pass scan's) each part a fixed ratio of the
+    one before."""
+    from kernels_triton.gdn.chunk import ONE_PASS_SEGMENT_RATIO, segment_cuts
 
     assert segment_cuts(512, 4) == [0, 146, 293, 439, 512]
     assert segment_cuts(512, 2) == [0, 341, 512]
     assert segment_cuts(512, 4, (1.0, 1.5, 0.75)) == [0, 108, 269, 431, 512]
+    assert segment_cuts(512, 4, ratio=0.6) == [0, 235, 376, 461, 512]  # 1 : 0.6 : 0.36 : 0.216
+    assert segment_cuts(512, 3, ratio=1.0) == [0, 171, 341, 512]
+    assert 0 < ONE_PASS_SEGMENT_RATIO <= 1
     for n in range(1, 40):
         for parts in range(1, 9):
-            cuts = segment_cuts(n, parts)
-            assert cuts[0] == 0 and cuts[-1] == n, (n, parts)
-            assert all(a < b for a, b in zip(cuts[:-1], cuts[1:], strict=True)), (n, parts)
-            assert len(cuts) - 1 <= parts
+            for ratio in (None, 0.3, ONE_PASS_SEGMENT_RATIO):
+                cuts = segment_cuts(n, parts, ratio=ratio)
+                assert cuts[0] == 0 and cuts[-1] == n, (n, parts, ratio)
+                assert all(a < b for a, b in zip(cuts[:-1], cuts[1:], strict=True)), (n, parts, ratio)
+                assert len(cuts) - 1 <= parts
 
 
 @pytest.mark.parametrize("K,V,H,HV", [(96, 96, 1, 3), (64, 64, 2, 4), (128, 128, 1, 1)])

@@ -874,7 +874,9 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
     # scan carries the state from part to part). Graph replay, one part -> 2 / 3 / 4 parts (gdn_segments_s10 run 5):
     # 35B-A3B 1x32768 1.54 -> 1.41 / 1.40 / 1.40 ms, 27B-TP1 2.06 -> 1.88 / 1.82 / 1.80; one part -> this rule
     # (gdn_segments_s11_nvidia_h200.json): 35B 1x16384 / 1x32768 / 1x65536 0.79 -> 0.73, 1.56 -> 1.42, 3.08 -> 2.76,
-    # 27B-TP1 1.06 -> 0.96, 2.08 -> 1.81, 4.11 -> 3.52. The split path's part length (>= 8192 tokens, at most 6).
+    # 27B-TP1 1.06 -> 0.96, 2.08 -> 1.81, 4.11 -> 3.52. The split path's part count (one per 8192 tokens, at most 6);
+    # the parts shrink by ONE_PASS_SEGMENT_RATIO (session 13: a prepare part beside a scan part runs ~1.8x slower
+    # than alone, so the first part, whose prepare runs alone, is the longest).
     parts = _segment_parts(N, per_seq)
     if parts > 1:
         return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages, "SEGMENTS": parts,
@@ -1147,7 +1149,7 @@ def gdn_chunk_prefill(
     work = not single and num_chunks > 0 and T > 0
     # One long sequence in parts (segments): each part's prepare (SEG_PREPARE) and output (split scans) run beside a
     # scan part.
-    cuts = (segment_cuts(num_chunks, plan.segments)
+    cuts = (segment_cuts(num_chunks, plan.segments, ratio=None if plan.split else ONE_PASS_SEGMENT_RATIO)
             if work and N == 1 and plan.segments > 1 and (dev.type != "cuda" or _cuda_driver() is not None) else None)
     if work:
         prepare_args = (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, 0, H, HV, gate_stride,
@@ -1260,17 +1262,28 @@ def _event(device: int, i: int) -> int:
     return events[i]
 
 
-# Relative lengths of the first, middle and last segments (see segment_cuts)
+# Relative lengths of the first, middle and last segments of a split scan (see segment_cuts)
 SEGMENT_WEIGHTS = (1.0, 1.0, 0.5)
+# The one-pass scan's segments: each part this much of the one before (see segment_cuts). Session 13, H200
+# (tuning/results/gdn_segment_ratio_s13_nvidia_h200.json), graph replay at the default part counts, SEGMENT_WEIGHTS
+# -> 0.6: 35B-A3B 1x32768 1.409 -> 1.390 ms, 1x65536 2.748 -> 2.717, 27B-TP1 1x32768 1.809 -> 1.781, 1x65536 3.521 ->
+# 3.487 (0.6-0.9 measured; 16384 tokens within noise). None: the split scan's SEGMENT_WEIGHTS.
+ONE_PASS_SEGMENT_RATIO: float | None = 0.6
 
 
-def segment_cuts(num_chunks: int, parts: int, weights: tuple[float, float, float] | None = None) -> list[int]:
-    """Chunk bounds of ``parts`` segments of a sequence, lengths in the ratio ``weights`` (first, every middle one,
+def segment_cuts(num_chunks: int, parts: int, weights: tuple[float, float, float] | None = None,
+                 ratio: float | None = None) -> list[int]:
+    """Chunk bounds of ``parts`` segments of a sequence. Lengths in the ratio ``weights`` (first, every middle one,
     last; default :data:`SEGMENT_WEIGHTS`): the last part's output has no scan part beside it, so it is shorter,
-    while part 1's prepare must finish beside scan part 0. Strictly increasing: fewer parts where the sequence has
-    too few chunks for them (no empty launch)."""
-    first, middle, last = SEGMENT_WEIGHTS if weights is None else weights
-    w = [first] + [middle] * (parts - 2) + [last] if parts > 1 else [1.0]
+    while part 1's prepare must finish beside scan part 0. Or, with ``ratio``, each part ``ratio`` times the one
+    before: a prepare beside a scan part runs slower than alone, so to be done when the scan part before it ends it
+    must cover fewer chunks than that part. Strictly increasing: fewer parts where the sequence has too few chunks
+    for them (no empty launch)."""
+    if ratio is not None:
+        w = [ratio**i for i in range(parts)]
+    else:
+        first, middle, last = SEGMENT_WEIGHTS if weights is None else weights
+        w = [first] + [middle] * (parts - 2) + [last] if parts > 1 else [1.0]
     total, acc, cuts = sum(w), 0.0, [0]
     for x in w[:-1]:
         acc += x

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_close, cu_from_lens
+from helpers import assert_close, capture_graph, cu_from_lens
 
 pytestmark = pytest.mark.gpu
 
@@ -42,21 +42,6 @@ def _gdn_inputs(T, H, HV, K, V, dtype, *, seed=0, raw=True, decay="normal", lead
         g = -(lo + (hi - lo) * torch.rand(*lead, T, HV, generator=gen, device=DEV))
         d.update(g=g, beta=torch.rand(*lead, T, HV, generator=gen, device=DEV).to(dtype))
     return d
-
-
-def _capture(fn, warm):  # noqa: ANN001, ANN202
-    """(CUDA graph of ``fn()``, what the captured call returned), after ``warm()`` on a side stream so that every
-    kernel is compiled outside the capture."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        warm()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn()
-    return graph, captured
 
 
 def _check_untouched(after: torch.Tensor, before: torch.Tensor, named: torch.Tensor) -> None:
@@ -187,7 +172,7 @@ def test_prefill_in_segments_same_bits_eager_and_graph(dtype, seg_prepare, split
     assert torch.equal(got_pool, want_pool), "segmented pool differs (eager)"
 
     graph_pool = pool.clone()
-    graph, captured = _capture(lambda: [call(graph_pool, seg) for _ in range(3)],
+    graph, captured = capture_graph(lambda: [call(graph_pool, seg) for _ in range(3)],
                                lambda: call(graph_pool.clone(), seg))
     graph_pool.copy_(pool)
     graph.replay()
@@ -397,7 +382,7 @@ def test_decode_step_pdl_gives_the_same_bits(B, T):
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "PDL changed the output"
         assert torch.equal(pool, want_pool), "PDL changed the pool"
     pool = pool0.clone()
-    graph, captured = _capture(lambda: run(pool, True), lambda: run(pool, True))
+    graph, captured = capture_graph(lambda: run(pool, True), lambda: run(pool, True))
     for _ in range(2):
         pool.copy_(pool0)
         graph.replay()
@@ -425,16 +410,7 @@ def test_decode_and_conv_update_capture_in_cuda_graph():
     eager_state, eager_conv = state.clone(), conv.clone()
     state.copy_(state0)
     conv.copy_(conv0)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()  # warm-up compiles outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    state.copy_(state0)
-    conv.copy_(conv0)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = step()
+    graph, captured = capture_graph(step, step)
     state.copy_(state0)
     conv.copy_(conv0)
     graph.replay()

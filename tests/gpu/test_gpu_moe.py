@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import rel_err
+from helpers import capture_graph, rel_err
 
 from qwen35 import reference as ref
 
@@ -170,18 +170,15 @@ def test_block_captures_in_a_cuda_graph(M, counter_in_capture):
     w = _weights("E256k8", torch.bfloat16)
     x = _x(M, H, torch.bfloat16, seed=3)
     eager = moe.moe_block(x, top_k=k, **w)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        moe.moe_block(x, top_k=k, **w)
-    torch.cuda.current_stream().wait_stream(stream)
     kept = dict(_arrival.counters())
-    if counter_in_capture:
-        _arrival.counters().clear()
-    graph = torch.cuda.CUDAGraph()
+
+    def warm() -> None:
+        moe.moe_block(x, top_k=k, **w)
+        if counter_in_capture:
+            _arrival.counters().clear()
+
     try:
-        with torch.cuda.graph(graph):
-            captured = moe.moe_block(x, top_k=k, **w)
+        graph, captured = capture_graph(lambda: moe.moe_block(x, top_k=k, **w), warm)
         if counter_in_capture:
             assert not _arrival.counters(), "a counter zeroed inside a capture was kept for eager calls"
     finally:
@@ -242,14 +239,7 @@ def test_programmatic_dependent_launch_gives_the_same_bits(M, shape, monkeypatch
         got = [moe.moe_block(x, top_k=k, **w) for x in xs]
         assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True)), "PDL changed the output"
     x = xs[0].clone()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        moe.moe_block(x, top_k=k, **w)
-    torch.cuda.current_stream().wait_stream(stream)
-    with torch.cuda.graph(graph):
-        captured = moe.moe_block(x, top_k=k, **w)
+    graph, captured = capture_graph(lambda: moe.moe_block(x, top_k=k, **w), lambda: moe.moe_block(x, top_k=k, **w))
     for i in (1, 2, 3, 0):
         x.copy_(xs[i])
         graph.replay()
