@@ -221,6 +221,80 @@ def test_segments_apply_to_one_sequence_only(monkeypatch):
     assert launched == [(0, 3), (3, 4), (4, 5)]
 
 
+@pytest.mark.parametrize("state", ["pool", "tensor", "none"])
+def test_scan_in_sequence_groups_gives_the_same_bits(state):
+    """scan_config GROUPS (a batch's one-pass scans in groups of whole sequences, each group's prepare beside the
+    scan of the group before; on a GPU on three streams): the same output and state bits as one launch each, with
+    empty and one-token sequences, a padded pool slot, more groups asked for than fit; metadata without the host's
+    sequence offsets (built from chunk indices on the device) runs in one group."""
+    from kernels_triton.gdn import chunk
+
+    lens = [70, 0, 130, 1, 65, 200, 3]
+    N, H, HV, K, V = len(lens), 1, 2, 32, 32
+    d = _inputs(lens, H, HV, K, V, torch.float32, seed=31)
+    cu = cu_from_lens(lens, DEV)
+    pool = (torch.randn(N + 2, HV, K, V, generator=torch.Generator().manual_seed(32)) * 0.1).to(DEV)
+    slots = torch.tensor([4, 0, -1, 2, 1, 3, 6], dtype=torch.int32, device=DEV)
+    base = {"BV": 16, "num_warps": 4, "num_stages": 2}
+
+    def run(cfg, meta):  # noqa: ANN001, ANN202
+        p = pool.clone()
+        if state == "pool":
+            o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, use_qk_l2norm=True,
+                                         scan_config=cfg, metadata=meta)
+        else:
+            o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, initial_state=None if state == "none" else pool[:N],
+                                         output_final_state=True, use_qk_l2norm=True, scan_config=cfg, metadata=meta)
+        return o, p if ht is None else ht
+
+    meta = kt.prepare_gdn_metadata(cu)
+    assert meta.chunk_offsets == chunk.chunk_offsets([0, *torch.tensor(lens).cumsum(0).tolist()])
+    want = run(base, meta)
+    launched = []
+    real = chunk._launch_scan
+    at = chunk._SCAN_NH_BASE
+    chunk._launch_scan = lambda *a: (launched.append((a[1][at], a[1][chunk._SCAN_NH])), real(*a))
+    try:
+        for groups, seg_prepare in ((2, True), (3, False), (5, True), (9, True)):
+            launched.clear()
+            got = run(dict(base, GROUPS=groups, SEG_PREPARE=seg_prepare), meta)
+            assert torch.equal(got[0], want[0]), f"output, {groups} groups"
+            assert torch.equal(got[1], want[1]), f"states, {groups} groups"
+            seq = [lo // HV for lo, _ in launched] + [launched[-1][1] // HV]
+            assert seq == chunk.sequence_groups(meta.chunk_offsets, groups)
+            assert 2 <= len(launched) <= groups
+        launched.clear()
+        idx = torch.tensor([[n, c] for n, L in enumerate(lens) for c in range(-(-L // 64))], device=DEV)
+        got = run(dict(base, GROUPS=3, SEG_PREPARE=True), kt.prepare_gdn_metadata(cu, chunk_indices=idx))
+        assert launched == [(0, N * HV)] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    finally:
+        chunk._launch_scan = real
+    with pytest.raises(ValueError, match="GROUPS=0"):
+        run(dict(base, GROUPS=0), meta)
+
+
+def test_sequence_groups():
+    """Groups of whole sequences near segment_cuts' chunk bounds, each holding at least one chunk, in order."""
+    from kernels_triton.gdn.chunk import chunk_offsets, segment_cuts, sequence_groups
+
+    offs = chunk_offsets([0, 4096 * 1, 4096 * 2, 4096 * 3, 4096 * 4])  # four 64-chunk sequences
+    assert offs == (0, 64, 128, 192, 256)
+    assert sequence_groups(offs, 2, ratio=1.0) == [0, 2, 4]
+    assert sequence_groups(offs, 2, ratio=0.6) == [0, 3, 4]  # chunk bound 160, as far from 128 as from 192: the later
+    assert sequence_groups(offs, 3, ratio=1.0) == [0, 1, 3, 4]  # bounds 85 and 171: nearest 64 and 192
+    assert sequence_groups((0, 0, 5, 5), 4) == [0, 3]  # one sequence holds every chunk: one group
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(200):
+        lens = torch.randint(0, 300, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+        offs = chunk_offsets([0, *torch.tensor(lens).cumsum(0).tolist()])
+        for groups in (1, 2, 3, 6):
+            for ratio in (None, 0.6):
+                cuts = sequence_groups(offs, groups, ratio)
+                assert cuts[0] == 0 and cuts[-1] == len(lens) and len(cuts) - 1 <= max(1, groups)
+                assert all(offs[a] < offs[b] for a, b in zip(cuts[:-1], cuts[1:], strict=True)) or offs[-1] == 0
+    assert segment_cuts(256, 2, ratio=0.6)[1] == 160
+
+
 def test_segment_cuts():
     """Segments cover the sequence's chunks in order, none empty; the last is half as long as the others (its output
     has no scan part beside it), other ratios on request; or (the one-pass scan's) each part a fixed ratio of the
@@ -587,12 +661,35 @@ def test_scan_stages_fit_shared_memory(monkeypatch, smem, dtype, K, stages):
     monkeypatch.setattr(chunk, "_shared_memory_per_block", lambda device: smem)
     chunk._scan_config.cache_clear()
     try:
-        cfg = chunk._scan_config(torch.device("cuda", 0), 2, 48, K, 128, 32768, dtype)  # two sequences: one part
+        cfg = chunk._scan_config(torch.device("cuda", 0), 2, 48, K, 128, 32768, dtype)  # two sequences: two groups
         one = chunk._scan_config(torch.device("cuda", 0), 1, 48, K, 128, 32768, dtype)  # one: in four parts
     finally:
         chunk._scan_config.cache_clear()
-    assert cfg == {"BV": 64, "num_warps": 4, "num_stages": stages}
-    assert one == dict(cfg, SEGMENTS=4, SEG_PREPARE=True)
+    base = {"BV": 64, "num_warps": 4, "num_stages": stages}
+    assert cfg == dict(base, GROUPS=2, SEG_PREPARE=True)
+    assert one == dict(base, SEGMENTS=4, SEG_PREPARE=True)
+
+
+def test_scan_groups_several_long_sequences(monkeypatch):
+    """The one-pass scan of several sequences of >= 8192 tokens at >= 32 value heads runs in two groups of
+    sequences (H200 session 13); fewer value heads, shorter sequences or one sequence do not."""
+    from kernels_triton.gdn import chunk
+
+    monkeypatch.setattr(chunk, "device_facts", lambda device: ("test-gpu", 132, (9, 0)))
+    monkeypatch.setattr(chunk, "_shared_memory_per_block", lambda device: 232448)
+    chunk._scan_config.cache_clear()
+    chunk._plan.cache_clear()
+    dev = torch.device("cuda", 0)
+    try:
+        for N, HV, per_seq, groups in ((8, 48, 8192, 2), (2, 32, 16384, 2), (4, 32, 8192, 2), (8, 48, 4096, 1),
+                                       (8, 12, 8192, 1), (8, 8, 8192, 1), (64, 48, 512, 1), (1, 48, 8192, 1)):
+            cfg = chunk._scan_config(dev, N, HV, 128, 128, per_seq, torch.bfloat16)
+            assert cfg.get("GROUPS", 1) == groups and cfg.get("SEG_PREPARE", False) == (groups > 1), (N, HV, cfg)
+        plan = chunk._plan(dev, torch.bfloat16, 4, 48, 128, 128, 8192)
+        assert plan.groups == 2 and plan.seg_prepare and not plan.split and "GROUPS" not in plan.scan_options
+    finally:
+        chunk._scan_config.cache_clear()
+        chunk._plan.cache_clear()
 
 
 @pytest.mark.parametrize("pairs,sms,bv", [(8, 132, 16), (12, 132, 16), (16, 132, 16), (31, 132, 32), (32, 132, 32),

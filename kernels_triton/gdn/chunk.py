@@ -20,7 +20,10 @@ The WY/UT chunk form of :mod:`qwen35.reference.gdn` is split where its dependenc
    and ``_chunk_output_kernel`` computes the output of all chunks in parallel (H200: 397B-TP8
    1x32768 0.95 -> 0.79 ms). One such sequence of >= 16384 tokens runs in segments: the scan parts in order on
    a high-priority stream, each part's prepare and output beside the scan of the part before / after it on
-   two other streams (H200, eager: 397B-TP8 1x32768 0.78 -> 0.69 ms, 27B-TP4 0.92 -> 0.79-0.83).
+   two other streams (H200, eager: 397B-TP8 1x32768 0.78 -> 0.69 ms, 27B-TP4 0.92 -> 0.79-0.83). The one-pass
+   scan runs one long sequence in parts too (parts shrinking by ``ONE_PASS_SEGMENT_RATIO``), and a batch of
+   several long sequences in groups of whole sequences, each group's prepare beside the scan of the group before
+   (``GROUPS``; needs the metadata built from the host's offsets).
 
 A batch of at most ``CHUNK`` tokens (every sequence within one chunk: short prompts, where the host's launch
 cost dominates) runs both phases in one launch instead, ``_chunk_single_kernel``: one program per (sequence,
@@ -35,6 +38,7 @@ fp32 (``ieee``) for fp32 inputs.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import functools
 import itertools
@@ -73,6 +77,7 @@ class GdnChunkMetadata:
     chunk_size: int
     cu_seqlens: torch.Tensor
     version: int = -1
+    chunk_offsets: tuple[int, ...] | None = None  # each sequence's first chunk (and the total), when built on the host
 
 
 def chunk_table(offsets: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
@@ -92,6 +97,12 @@ def chunk_table(offsets: Sequence[int], out: np.ndarray | None = None) -> np.nda
     else:
         rows[:] = 0
     return rows
+
+
+def chunk_offsets(offsets: Sequence[int]) -> tuple[int, ...]:
+    """Each sequence's first chunk in the batch's chunk table, then the number of chunks (n + 1 values for the n
+    sequences the offsets delimit)."""
+    return (0, *itertools.accumulate(-(-(e - s) // CHUNK) for s, e in itertools.pairwise(offsets)))
 
 
 def num_chunks(offsets: Sequence[int]) -> int:
@@ -132,19 +143,22 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offs
     if table is not None:
         if offsets is None:
             raise ValueError("a chunk table on the device needs the offsets it was built from")
-        n = num_chunks(offsets)
+        chunk_offs = chunk_offsets(offsets)
+        n = chunk_offs[-1]
         rows = max(n, 1)
         if (table.dtype != torch.int32 or tuple(table.shape) != (rows, 2) or table.device != cu_seqlens.device
                 or not table.is_contiguous()):
             raise ValueError(f"table must be a contiguous int32 [{rows}, 2] tensor on {cu_seqlens.device} (the chunk "
                              f"table of offsets {list(offsets)[:8]}...), got {table.dtype} {list(table.shape)} on "
                              f"{table.device}")
-        return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, cu_seqlens._version)
+        return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, cu_seqlens._version, chunk_offs)
     offs = cu_seqlens.tolist() if offsets is None else list(offsets)
-    n = num_chunks(offs)
+    chunk_offs = chunk_offsets(offs)
+    n = chunk_offs[-1]
     host = torch.empty(max(n, 1), 2, dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
     chunk_table(offs, host.numpy())
-    return GdnChunkMetadata(host.to(cu_seqlens.device, non_blocking=True), n, CHUNK, cu_seqlens, cu_seqlens._version)
+    return GdnChunkMetadata(host.to(cu_seqlens.device, non_blocking=True), n, CHUNK, cu_seqlens, cu_seqlens._version,
+                            chunk_offs)
 
 
 def _chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, int]:
@@ -635,11 +649,11 @@ def _sequence_bounds(cu_ptr, n, T, VARLEN: tl.constexpr):
     return start, end
 
 
-@triton.jit(do_not_specialize=["T", "H", "HV", "NH", "chunk_lo", "chunk_hi"])
+@triton.jit(do_not_specialize=["T", "H", "HV", "NH", "chunk_lo", "chunk_hi", "nh_base"])
 def _chunk_scan_kernel(
     q_ptr, k_ptr, ws_ptr, o_ptr, st_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr, carry_ptr,
-    T, pool_slot_stride, chunk_lo, chunk_hi,
+    T, pool_slot_stride, chunk_lo, chunk_hi, nh_base,
     H, HV, NH, K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
@@ -651,8 +665,9 @@ def _chunk_scan_kernel(
     # PART (one sequence scanned in parts, see gdn_chunk_prefill's segments): only chunks chunk_lo .. chunk_hi - 1 of
     # the sequence; CARRY_IN / CARRY_OUT: the state before / after them is the fp32 [HV, K, V] tensor at carry_ptr
     # instead of the initial / final state.
+    # nh_base: the launch's first (sequence, head) pair (a batch scanned in groups of sequences); NH: its end.
     vb = tl.program_id(0)
-    nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (sequence, head) pairs: see grid_rows
+    nh = nh_base + tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (sequence, head) pairs: see grid_rows
     if nh >= NH:
         return
     n = nh // HV
@@ -881,6 +896,14 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
     if parts > 1:
         return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages, "SEGMENTS": parts,
                                         "SEG_PREPARE": True}, dtype, V)
+    # Session 13 (gdn_groups_s13_nvidia_h200.json): several sequences of >= 8192 tokens at >= 32 value heads in two
+    # groups of sequences, the second group's prepare beside the first group's scan. A / B in one process, events /
+    # graph replay, ms: 27B-TP1 2x16384 2.232 / 2.085 -> 2.050 / 1.888, 35B-A3B 4x8192 1.383 / 1.247 -> 1.354 /
+    # 1.202; 8x4096 within 1.5 % (27B-TP1 2.000 / 1.858 -> 2.002 / 1.846, 35B 1.401 / 1.264 -> 1.400 / 1.246); at 12 /
+    # 8 value heads (TP4 / TP8) or 2048-token sequences slower, 64x512 within noise.
+    if N > 1 and HV >= 32 and per_seq >= 8192:
+        return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages, "GROUPS": 2,
+                                        "SEG_PREPARE": True}, dtype, V)
     return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages}, dtype, V)
 
 
@@ -915,7 +938,7 @@ def _shared_memory_per_block(device: torch.device) -> int:
 
 
 # scan_config keys that are not launch options
-SCAN_KEYS = ("BV", "SPLIT", "SEGMENTS", "SEG_PREPARE")
+SCAN_KEYS = ("BV", "SPLIT", "SEGMENTS", "SEG_PREPARE", "GROUPS")
 # prepare_config keys that are kernel flags (the rest are launch options)
 PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS", "STOP", "BLOCK_INV", "SCALE_K")
 PREPARE_BLOCKS = ("BKC", "BVC")  # prepare_config keys that set its column blocks (prepare_consts)
@@ -1000,6 +1023,7 @@ class _Plan(NamedTuple):
     split: bool = False  # the scan's state path alone, then the output of all chunks in parallel (scan_config SPLIT)
     segments: int = 1  # one split sequence in this many parts, overlapping launches (scan_config SEGMENTS)
     seg_prepare: bool = False  # segments: the prepare in parts too (scan_config SEG_PREPARE)
+    groups: int = 1  # a batch of one-pass scans in this many groups of sequences, overlapping launches (GROUPS)
 
     def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
@@ -1029,13 +1053,15 @@ class _Plan(NamedTuple):
             split = scan_config.get("SPLIT", False)
             segments = scan_config.get("SEGMENTS", 1)
             seg_prepare = scan_config.get("SEG_PREPARE", False)
+            groups = scan_config.get("GROUPS", 1)
             for name, value in (("SPLIT", split), ("SEG_PREPARE", seg_prepare)):
                 if not isinstance(value, bool):
                     raise ValueError(f"scan_config {name}={value!r}: accepted True or False")
-            if type(segments) is not int or segments < 1:
-                raise ValueError(f"scan_config SEGMENTS={segments!r}: accepted an integer >= 1")
+            for name, value in (("SEGMENTS", segments), ("GROUPS", groups)):
+                if type(value) is not int or value < 1:
+                    raise ValueError(f"scan_config {name}={value!r}: accepted an integer >= 1")
             plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C), split=split, segments=segments,
-                                 seg_prepare=seg_prepare,
+                                 seg_prepare=seg_prepare, groups=groups,
                                  scan_options={k: v for k, v in scan_config.items() if k not in SCAN_KEYS})
         return plan
 
@@ -1053,7 +1079,7 @@ def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: 
         prepare_flags=_prepare_flags(dot_prec, flags),
         prepare_options=prepare_options, scan_consts=(K, V, BK, scan["BV"], CHUNK),
         scan_options={k: v for k, v in scan.items() if k not in SCAN_KEYS}, split=scan.get("SPLIT", False),
-        segments=scan.get("SEGMENTS", 1), seg_prepare=scan.get("SEG_PREPARE", False),
+        segments=scan.get("SEGMENTS", 1), seg_prepare=scan.get("SEG_PREPARE", False), groups=scan.get("GROUPS", 1),
         single_options={k: v for k, v in prepare_options.items() if k != "maxnreg"})
 
 
@@ -1149,8 +1175,16 @@ def gdn_chunk_prefill(
     work = not single and num_chunks > 0 and T > 0
     # One long sequence in parts (segments): each part's prepare (SEG_PREPARE) and output (split scans) run beside a
     # scan part.
+    streams = dev.type != "cuda" or _cuda_driver() is not None
     cuts = (segment_cuts(num_chunks, plan.segments, ratio=None if plan.split else ONE_PASS_SEGMENT_RATIO)
-            if work and N == 1 and plan.segments > 1 and (dev.type != "cuda" or _cuda_driver() is not None) else None)
+            if work and N == 1 and plan.segments > 1 and streams else None)
+    # A batch of sequences (one-pass scans) in groups of whole sequences, the same way: each group's prepare beside the
+    # scan of the group before. Needs the chunk table's sequence offsets on the host (metadata built from them).
+    seq_cuts = None
+    if (work and N > 1 and plan.groups > 1 and not plan.split and streams and isinstance(metadata, GdnChunkMetadata)
+            and metadata.chunk_offsets is not None and bounds is metadata.chunk_bounds):
+        seq_cuts = sequence_groups(metadata.chunk_offsets, plan.groups)
+        cuts = [metadata.chunk_offsets[s] for s in seq_cuts]
     if work:
         prepare_args = (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, 0, H, HV, gate_stride,
                         *plan.prepare_consts, varlen, a is not None, use_qk_l2norm, *plan.prepare_flags)
@@ -1187,12 +1221,14 @@ def gdn_chunk_prefill(
     split = plan.split and work
     states = torch.empty(num_chunks, HV, K, V, dtype=plan.ws_dtype, device=dev) if split else None
     scan_args = (q, k, ws, o, states, cu_seqlens, h0, ht, state_slots, has_initial_state, None, T, pool_slot_stride,
-                 0, 0, H, HV, N * HV, *plan.scan_consts, varlen, h0 is not None, ht is not None, pool,
+                 0, 0, 0, H, HV, N * HV, *plan.scan_consts, varlen, h0 is not None, ht is not None, pool,
                  has_initial_state is not None, plan.dot_prec, split, False, False, False)
     output_args = (q, ws, states, o, bounds, T, H, HV, 0, K, V, plan.scan_consts[2], wide_bv, CHUNK, varlen,
                    plan.dot_prec) if split else ()
     if cuts is not None and len(cuts) > 2:
-        _scan_in_parts(plan, cuts, HV, prepare_args, scan_args, output_args)
+        scans = (_group_scans(plan, seq_cuts, HV, scan_args) if seq_cuts is not None
+                 else _segment_scans(plan, cuts, HV, scan_args))
+        _scan_in_parts(plan, cuts, scans, HV, prepare_args, output_args)
         return o, final
     if N > 0:
         _launch_scan(plan.scan_grid(N, HV), scan_args, plan.scan_options)
@@ -1302,27 +1338,61 @@ _PREPARE_BASE = _chunk_prepare_kernel.arg_names.index("chunk_base")
 _SCAN_CARRY = _chunk_scan_kernel.arg_names.index("carry_ptr")
 _SCAN_BOUNDS = _chunk_scan_kernel.arg_names.index("chunk_lo")  # chunk_lo, chunk_hi
 _SCAN_PART = _chunk_scan_kernel.arg_names.index("PART")  # PART, CARRY_IN, CARRY_OUT
+_SCAN_NH_BASE = _chunk_scan_kernel.arg_names.index("nh_base")
+_SCAN_NH = _chunk_scan_kernel.arg_names.index("NH")
 _OUTPUT_BASE = _chunk_output_kernel.arg_names.index("chunk_base")
 _OUTPUT_BV = _chunk_output_kernel.arg_names.index("BV")
 
 
-def _scan_in_parts(plan: _Plan, cuts: list[int], HV: int, prepare_args: tuple, scan_args: tuple,
-                   output_args: tuple) -> None:
-    """Phase 2 of one sequence in segments of whole chunks (bounds ``cuts``, :func:`segment_cuts`), after the
-    caller launched the prepare of every chunk or (``seg_prepare``) of the first segment's. On a GPU the scan parts
-    run in order on a high-priority stream; beside scan part i run, on the caller's stream, the output of part
-    i - 1 (split scans) and, with ``seg_prepare``, on a third stream the prepares of the parts after it (each scan
-    part waits for its own). The state goes from part to part in an fp32 tensor. Launches are issued in the order
-    the scan chain needs them (a launch costs the host ~20 µs). The caller's stream ends after every part (events
-    only: nothing else to synchronise, and CUDA-graph capture sees forks and joins)."""
-    q = scan_args[0]
-    dev = q.device
-    parts = len(cuts) - 1
+def _segment_scans(plan: _Plan, cuts: list[int], HV: int, scan_args: tuple) -> list[tuple[tuple, tuple]]:
+    """(grid, arguments) of each scan part of one sequence in segments (chunk bounds ``cuts``): the state goes from
+    part to part in an fp32 tensor."""
     K, V = plan.scan_consts[0], plan.scan_consts[1]
-    carry = torch.empty(HV, K, V, dtype=torch.float32, device=dev)
+    carry = torch.empty(HV, K, V, dtype=torch.float32, device=scan_args[0].device)
+    grid, parts = plan.scan_grid(1, HV), len(cuts) - 1
+    return [(grid, _with(_with(_with(scan_args, _SCAN_CARRY, carry), _SCAN_BOUNDS, cuts[i], cuts[i + 1]), _SCAN_PART,
+                         True, i > 0, i < parts - 1)) for i in range(parts)]
+
+
+def _group_scans(plan: _Plan, seq_cuts: list[int], HV: int, scan_args: tuple) -> list[tuple[tuple, tuple]]:
+    """(grid, arguments) of each scan part of a batch in groups of whole sequences (bounds ``seq_cuts``,
+    :func:`sequence_groups`): the (sequence, head) pairs of each group."""
+    n_vb = plan.scan_grid(1, HV)[0]
+    return [((n_vb, *grid_rows((hi - lo) * HV)), _with(_with(scan_args, _SCAN_NH_BASE, lo * HV), _SCAN_NH, hi * HV))
+            for lo, hi in itertools.pairwise(seq_cuts)]
+
+
+def sequence_groups(chunk_offs: Sequence[int], groups: int, ratio: float | None = 1.0) -> list[int]:
+    """Sequence bounds ``[0, .., N]`` of at most ``groups`` groups of whole sequences (``chunk_offs``: each sequence's
+    first chunk, then the total, :func:`chunk_offsets`), cut at the sequence boundaries nearest to
+    :func:`segment_cuts`' chunk bounds (lengths shrinking by ``ratio``; default equal, which measured faster than
+    0.6 for groups: gdn_groups_s13); every group holds at least one chunk."""
+    n, N = chunk_offs[-1], len(chunk_offs) - 1
+    cuts = [0]
+    for target in segment_cuts(n, groups, ratio=ratio)[1:-1]:
+        s = bisect.bisect_left(chunk_offs, target)  # chunk_offs[s - 1] < target <= chunk_offs[s]
+        if s > 0 and target - chunk_offs[s - 1] < chunk_offs[s] - target:
+            s -= 1
+        if chunk_offs[cuts[-1]] < chunk_offs[s] < n:
+            cuts.append(s)
+    cuts.append(N)
+    return cuts
+
+
+def _scan_in_parts(plan: _Plan, cuts: list[int], scans: list[tuple[tuple, tuple]], HV: int, prepare_args: tuple,
+                   output_args: tuple) -> None:
+    """Phase 2 in parts: scan launch i (``scans[i]``: grid, arguments) covers the chunks ``cuts[i] .. cuts[i + 1]``
+    (one sequence's segments, :func:`_segment_scans`, or groups of sequences, :func:`_group_scans`), after the
+    caller launched the prepare of every chunk or (``seg_prepare``) of the first part's. On a GPU the scan parts run
+    in order on a high-priority stream; beside scan part i run, on the caller's stream, the output of part i - 1
+    (split scans) and, with ``seg_prepare``, on a third stream the prepares of the parts after it (each scan part
+    waits for its own). Launches are issued in the order the scan chain needs them (a launch costs the host ~20 µs).
+    The caller's stream ends after every part (events only: nothing else to synchronise, and CUDA-graph capture
+    sees forks and joins)."""
+    dev = prepare_args[0].device
+    parts = len(cuts) - 1
     gpu = dev.type == "cuda"
-    n_out = _cdiv(V, output_args[_OUTPUT_BV]) if plan.split else 0
-    grid = plan.scan_grid(1, HV)
+    n_out = _cdiv(plan.scan_consts[1], output_args[_OUTPUT_BV]) if plan.split else 0
     if gpu:
         d = dev.index
         side, prep = _side_streams(dev)
@@ -1346,9 +1416,7 @@ def _scan_in_parts(plan: _Plan, cuts: list[int], HV: int, prepare_args: tuple, s
             oa = _with(output_args, _OUTPUT_BASE, cuts[i])
             _launch_output(((cuts[i + 1] - cuts[i]) * HV, n_out), oa, _OUTPUT_OPTIONS)
 
-    for i in range(parts):
-        sa = _with(_with(_with(scan_args, _SCAN_CARRY, carry), _SCAN_BOUNDS, cuts[i], cuts[i + 1]), _SCAN_PART,
-                   True, i > 0, i < parts - 1)
+    for i, (grid, sa) in enumerate(scans):
         if gpu:
             if plan.seg_prepare and i > 0:
                 _wait(raw_side, _event(d, parts + i))  # scan part i after its prepare

@@ -121,7 +121,7 @@ def _pool_prefill_vs_reference(lens, H, HV, dtype, slots, has, seed, K=128, V=12
     has = torch.tensor(has, device=DEV)
     ours = pool.clone()
     o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=ours, state_slots=slots, has_initial_state=has,
-                                use_qk_l2norm=True, scan_config=scan_config)
+                                use_qk_l2norm=True, scan_config=scan_config, metadata=kt.prepare_gdn_metadata(cu))
     ref_pool = pool.double()
     ro, _ = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, state_pool=ref_pool, state_slots=slots,
                                   has_initial_state=has, use_qk_l2norm=True)
@@ -139,6 +139,38 @@ def test_prefill_split_output(dtype, lens):
     _pool_prefill_vs_reference(lens, 2, 8, dtype, [N + 1 - i if i != 1 else -1 for i in range(N)],
                                [i % 2 == 0 for i in range(N)], seed=41,
                                scan_config={"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True})
+
+
+def _same_bits_in_parts(d, cu, pool, slots, base, parted, dtype, meta=None):  # noqa: ANN001
+    """Prefill into pool ``slots`` with scan_config ``parted`` (parts on three streams): the output and pool bits of
+    ``base`` (one launch), eagerly and replayed from a CUDA graph (the side streams fork from and join the capture),
+    three calls back to back each; and the fp64 reference's values."""
+
+    def call(p, cfg):  # noqa: ANN001, ANN202
+        return kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, use_qk_l2norm=True,
+                                    scan_config=cfg, metadata=meta)[0]
+
+    want_pool = pool.clone()
+    want = [call(want_pool, base) for _ in range(3)]
+    got_pool = pool.clone()
+    got = [call(got_pool, parted) for _ in range(3)]
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "output in parts differs (eager)"
+    assert torch.equal(got_pool, want_pool), "pool in parts differs (eager)"
+
+    graph_pool = pool.clone()
+    graph, captured = capture_graph(lambda: [call(graph_pool, parted) for _ in range(3)],
+                                    lambda: call(graph_pool.clone(), parted))
+    graph_pool.copy_(pool)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, w) for g, w in zip(captured, want, strict=True)), "graph replay output differs"
+    assert torch.equal(graph_pool, want_pool), "graph replay pool differs"
+
+    ref_pool = pool.double()
+    ro, _ = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, state_pool=ref_pool, state_slots=slots,
+                                  use_qk_l2norm=True)
+    assert_close(got[0], ro, TOL[dtype], f"output {dtype}")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -159,31 +191,29 @@ def test_prefill_in_segments_same_bits_eager_and_graph(dtype, seg_prepare, split
     base = {"BV": 16, "num_warps": 4, "num_stages": stages, "SPLIT": split}
     seg = dict(base, SEGMENTS=4, SEG_PREPARE=seg_prepare)
 
-    def call(p, cfg):  # noqa: ANN001, ANN202
-        return kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, use_qk_l2norm=True,
-                                    scan_config=cfg)[0]
+    _same_bits_in_parts(d, cu, pool, slots, base, seg, dtype)
 
-    want_pool = pool.clone()
-    want = [call(want_pool, base) for _ in range(3)]
-    got_pool = pool.clone()
-    got = [call(got_pool, seg) for _ in range(3)]
-    torch.cuda.synchronize()
-    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), "segmented output differs (eager)"
-    assert torch.equal(got_pool, want_pool), "segmented pool differs (eager)"
 
-    graph_pool = pool.clone()
-    graph, captured = capture_graph(lambda: [call(graph_pool, seg) for _ in range(3)],
-                               lambda: call(graph_pool.clone(), seg))
-    graph_pool.copy_(pool)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(g, w) for g, w in zip(captured, want, strict=True)), "graph replay output differs"
-    assert torch.equal(graph_pool, want_pool), "graph replay pool differs"
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("groups", [2, 3])
+def test_prefill_in_sequence_groups_same_bits_eager_and_graph(dtype, groups):
+    """scan_config GROUPS: a batch's one-pass scans in groups of whole sequences on a high-priority stream, each
+    group's prepare beside the scan of the group before. The same output and pool bits as one launch, eager and
+    replayed from a CUDA graph, three calls back to back (empty, one-token and ragged sequences, a padded slot); and
+    the fp64 reference's values."""
+    lens = [3000, 0, 1, 2500, 4096, 700, 64, 1500]
+    N, H, HV, K, V = len(lens), 2, 32, 128, 128
+    d = _gdn_inputs(sum(lens), H, HV, K, V, dtype, seed=71)
+    cu = cu_from_lens(lens, DEV)
+    meta = kt.prepare_gdn_metadata(cu)
+    pool = _rand(torch.Generator(device=DEV).manual_seed(72), N + 2, HV, K, V, scale=0.1)
+    slots = torch.tensor([3, 0, 9, -1, 1, 2, 5, 4], dtype=torch.int32, device=DEV)
+    # (the fp32 workspace of fp16 / fp32 inputs: 16-wide V blocks in 2 stages, as in the segments test)
+    base = {"BV": 32, "num_warps": 4, "num_stages": 3} if dtype == torch.bfloat16 else {"BV": 16, "num_warps": 4,
+                                                                                       "num_stages": 2}
+    grouped = dict(base, GROUPS=groups, SEG_PREPARE=True)
 
-    ref_pool = pool.double()
-    ro, _ = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, state_pool=ref_pool, state_slots=slots,
-                                  use_qk_l2norm=True)
-    assert_close(got[0], ro, TOL[dtype], f"output {dtype}")
+    _same_bits_in_parts(d, cu, pool, slots, base, grouped, dtype, meta)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -194,6 +224,15 @@ def test_prefill_default_segments_one_long_sequence(dtype, HV):
     cfg = chunk._scan_config(torch.device(DEV), 1, HV, 128, 128, 16384, dtype)
     assert cfg.get("SEGMENTS", 1) == 2 and cfg.get("SPLIT", False) == (HV == 8), cfg
     _pool_prefill_vs_reference([20000], 4, HV, dtype, [2], [True], seed=61)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_prefill_default_groups_several_long_sequences(dtype):
+    """The default config for several sequences of >= 8192 tokens at 32 value heads scans them in two groups of
+    sequences: output and pool slots vs the fp64 reference, other slots untouched."""
+    cfg = chunk._scan_config(torch.device(DEV), 3, 32, 128, 128, 8192, dtype)
+    assert cfg.get("GROUPS", 1) == 2 and cfg["SEG_PREPARE"], cfg
+    _pool_prefill_vs_reference([9000, 8192, 8500], 4, 32, dtype, [2, -1, 0], [True, True, False], seed=81)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
