@@ -1120,10 +1120,11 @@ def gdn_chunk_prefill(
     ``BKC`` / ``BVC``, and the kernel flags ``DIAG_BY_PRODUCT``, ``LOWP_MERGE``, ``EXACT_PREC``, ``DIAG_ROWS``,
     ``STOP``) and ``scan_config`` (``BV``, ``num_warps``, ``num_stages``, ``SPLIT``: the output in a parallel
     launch after the scan; for one sequence, ``SEGMENTS``: the scan in that many parts, each part's output (split) and
-    with ``SEG_PREPARE`` its prepare beside the scan of the part before / after) override the launch configs of the
-    two phases; the benchmark times variants with them. Either one also turns off the single-launch path of
-    batches of at most ``CHUNK`` tokens. Host cost matters here (short prompts at TP4/TP8): one workspace
-    allocation, cached configs, and kernels launched through :class:`DirectLauncher`.
+    with ``SEG_PREPARE`` its prepare beside the scan of the part before / after; for several, ``GROUPS``: the one-pass
+    scan in that many groups of whole sequences, the same way, when ``metadata`` was built from the host's offsets)
+    override the launch configs of the two phases; the benchmark times variants with them. Either one also turns off
+    the single-launch path of batches of at most ``CHUNK`` tokens. Host cost matters here (short prompts at
+    TP4/TP8): one workspace allocation, cached configs, and kernels launched through :class:`DirectLauncher`.
     """
     T, H, K = q.shape
     _, HV, V = v.shape
