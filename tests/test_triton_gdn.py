@@ -222,7 +222,7 @@ def test_segments_apply_to_one_sequence_only(monkeypatch):
 
 
 @pytest.mark.parametrize("state", ["pool", "tensor", "none"])
-def test_scan_in_sequence_groups_gives_the_same_bits(state):
+def test_scan_in_sequence_groups_gives_the_same_bits(state, monkeypatch):
     """scan_config GROUPS (a batch's one-pass scans in groups of whole sequences, each group's prepare beside the
     scan of the group before; on a GPU on three streams): the same output and state bits as one launch each, with
     empty and one-token sequences, a padded pool slot, more groups asked for than fit; metadata without the host's
@@ -253,22 +253,20 @@ def test_scan_in_sequence_groups_gives_the_same_bits(state):
     launched = []
     real = chunk._launch_scan
     at = chunk._SCAN_NH_BASE
-    chunk._launch_scan = lambda *a: (launched.append((a[1][at], a[1][chunk._SCAN_NH])), real(*a))
-    try:
-        for groups, seg_prepare in ((2, True), (3, False), (5, True), (9, True)):
-            launched.clear()
-            got = run(dict(base, GROUPS=groups, SEG_PREPARE=seg_prepare), meta)
-            assert torch.equal(got[0], want[0]), f"output, {groups} groups"
-            assert torch.equal(got[1], want[1]), f"states, {groups} groups"
-            seq = [lo // HV for lo, _ in launched] + [launched[-1][1] // HV]
-            assert seq == chunk.sequence_groups(meta.chunk_offsets, groups)
-            assert 2 <= len(launched) <= groups
+    monkeypatch.setattr(chunk, "_launch_scan",
+                        lambda *a: (launched.append((a[1][at], a[1][chunk._SCAN_NH])), real(*a)))
+    for groups, seg_prepare in ((2, True), (3, False), (5, True), (9, True)):
         launched.clear()
-        idx = torch.tensor([[n, c] for n, L in enumerate(lens) for c in range(-(-L // 64))], device=DEV)
-        got = run(dict(base, GROUPS=3, SEG_PREPARE=True), kt.prepare_gdn_metadata(cu, chunk_indices=idx))
-        assert launched == [(0, N * HV)] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-    finally:
-        chunk._launch_scan = real
+        got = run(dict(base, GROUPS=groups, SEG_PREPARE=seg_prepare), meta)
+        assert torch.equal(got[0], want[0]), f"output, {groups} groups"
+        assert torch.equal(got[1], want[1]), f"states, {groups} groups"
+        seq = [lo // HV for lo, _ in launched] + [launched[-1][1] // HV]
+        assert seq == chunk.sequence_groups(meta.chunk_offsets, groups)
+        assert 2 <= len(launched) <= groups
+    launched.clear()
+    idx = torch.tensor([[n, c] for n, L in enumerate(lens) for c in range(-(-L // 64))], device=DEV)
+    got = run(dict(base, GROUPS=3, SEG_PREPARE=True), kt.prepare_gdn_metadata(cu, chunk_indices=idx))
+    assert launched == [(0, N * HV)] and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     with pytest.raises(ValueError, match="GROUPS=0"):
         run(dict(base, GROUPS=0), meta)
 
