@@ -156,6 +156,43 @@ def test_split_output_gives_the_same_bits(lens, varlen, dtype):
                                                               "SPLIT": 1})
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("split", [False, True], ids=["one_pass", "split"])
+def test_scan_t_gives_the_reference(split, dtype):
+    """scan_config SCAN_T (the prepare leaves T diag(beta) instead of W and U; the scan forms V' from the v rows):
+    the reference's output and states for the one-pass and the split scan, in one part and in segments; ragged
+    batches with empty and one-token sequences, a padded pool slot. The default takes it where it fits (one-pass
+    scans; K + V >= CHUNK), and a config where it does not fit is refused before any launch."""
+    from kernels_triton.gdn import chunk
+
+    lens, H, HV, K, V = [5, 70, 0, 1, 130], 1, 2, 64, 16
+    N = len(lens)
+    d = _inputs(lens, H, HV, K, V, dtype, seed=31)
+    cu = cu_from_lens(lens, DEV)
+    pool = (torch.randn(N + 2, HV, K, V, generator=torch.Generator().manual_seed(32)) * 0.1).to(DEV)
+    slots = torch.tensor([N + 1 - i if i % 3 != 1 else -1 for i in range(N)], dtype=torch.int32, device=DEV)
+    ref_pool = pool.double().cpu()
+    ro, _ = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}), cu_seqlens=cu.cpu(), state_pool=ref_pool,
+                                  state_slots=slots.cpu(), use_qk_l2norm=True)
+    base = {"BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": split, "SCAN_T": True}
+    for cfg in (base, dict(base, SEGMENTS=3, SEG_PREPARE=True)):
+        p = pool.clone()
+        o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, use_qk_l2norm=True,
+                                    scan_config=cfg, metadata=kt.prepare_gdn_metadata(cu))
+        assert_close(o, ro, TOL[dtype], f"output, {cfg}")
+        assert_close(p, ref_pool, TOL[dtype], f"pool, {cfg}")
+        assert torch.equal(p[slots.shape[0]], pool[slots.shape[0]]), "a slot not named changed"
+    dev = torch.device("cpu")
+    assert chunk._plan(dev, dtype, 1, 2, 32, 32, 1024).scan_t  # K + V = CHUNK: fits
+    assert not chunk._plan(dev, dtype, 1, 2, 16, 32, 1024).scan_t
+    with pytest.raises(ValueError, match="SCAN_T=True with K=16, V=32"):
+        kt.gdn_chunk_prefill(**_inputs([100], 1, 2, 16, 32, dtype), scan_config=dict(base, SPLIT=False))
+    with pytest.raises(ValueError, match="SCAN_T=True with K=32, V=32, SPLIT=True"):
+        kt.gdn_chunk_prefill(**_inputs([100], 1, 2, 32, 32, dtype), scan_config=dict(base, SPLIT=True))
+    with pytest.raises(ValueError, match="SCAN_T=1"):
+        kt.gdn_chunk_prefill(**d, cu_seqlens=cu, scan_config=dict(base, SCAN_T=1))
+
+
 @pytest.mark.parametrize("state,split", [(s, True) for s in ("pool", "pool_no_init", "padded_slot", "tensor", "none",
                                                               "no_cu_seqlens")] + [("pool", False), ("tensor", False)])
 def test_scan_in_segments_gives_the_same_bits(state, split):
@@ -214,11 +251,15 @@ def test_segments_apply_to_one_sequence_only(monkeypatch):
     kt.gdn_chunk_prefill(**d, cu_seqlens=cu_from_lens([300], DEV), scan_config={
         "BV": 16, "num_warps": 4, "num_stages": 2, "SPLIT": True, "SEGMENTS": 3})
     assert launched == [(0, 2), (2, 4), (4, 5)]
-    launched.clear()  # the one-pass scan's parts shrink by ONE_PASS_SEGMENT_RATIO
-    monkeypatch.setattr(chunk, "ONE_PASS_SEGMENT_RATIO", 0.6)
+    launched.clear()  # the one-pass scan's parts shrink by ONE_PASS_SEGMENT_RATIO (by its V block; 0.6 at others)
+    monkeypatch.setattr(chunk, "ONE_PASS_SEGMENT_RATIO", {32: 1.0})
     kt.gdn_chunk_prefill(**d, cu_seqlens=cu_from_lens([300], DEV), scan_config={
         "BV": 16, "num_warps": 4, "num_stages": 2, "SEGMENTS": 3, "SEG_PREPARE": True})
     assert launched == [(0, 3), (3, 4), (4, 5)]
+    launched.clear()
+    kt.gdn_chunk_prefill(**d, cu_seqlens=cu_from_lens([300], DEV), scan_config={
+        "BV": 32, "num_warps": 4, "num_stages": 2, "SEGMENTS": 3, "SEG_PREPARE": True})
+    assert launched == [(0, 2), (2, 3), (3, 5)]
 
 
 @pytest.mark.parametrize("state", ["pool", "tensor", "none"])
@@ -304,10 +345,10 @@ def test_segment_cuts():
     assert segment_cuts(512, 4, (1.0, 1.5, 0.75)) == [0, 108, 269, 431, 512]
     assert segment_cuts(512, 4, ratio=0.6) == [0, 235, 376, 461, 512]  # 1 : 0.6 : 0.36 : 0.216
     assert segment_cuts(512, 3, ratio=1.0) == [0, 171, 341, 512]
-    assert 0 < ONE_PASS_SEGMENT_RATIO <= 1
+    assert all(0 < r <= 1 for r in ONE_PASS_SEGMENT_RATIO.values())
     for n in range(1, 40):
         for parts in range(1, 9):
-            for ratio in (None, 0.3, ONE_PASS_SEGMENT_RATIO):
+            for ratio in (None, 0.3, *ONE_PASS_SEGMENT_RATIO.values()):
                 cuts = segment_cuts(n, parts, ratio=ratio)
                 assert cuts[0] == 0 and cuts[-1] == n, (n, parts, ratio)
                 assert all(a < b for a, b in zip(cuts[:-1], cuts[1:], strict=True)), (n, parts, ratio)
@@ -804,8 +845,13 @@ from kernels_triton import conv1d, norms
 from kernels_triton.gdn import chunk, recurrent
 
 def sm90(kernel, consts, dtypes, warps=4, stages=2):
-    """Compile for sm_90 with every pointer 16-byte aligned (as at run time); other ints i32, floats fp32."""
+    """Compile for sm_90 with every pointer 16-byte aligned (as at run time); other ints i32, floats fp32;
+    constexprs not given take their defaults (left out, they would build as runtime integers)."""
     names = kernel.arg_names
+    consts = dict(consts)
+    for prm in kernel.params:
+        if prm.is_constexpr and prm.name not in consts and prm.default is not prm._param.empty:
+            consts[prm.name] = prm.default
     plain = {n: "*i32" if n.endswith("_ptr") else "fp32" if n in ("scale", "eps") else "i32" for n in names}
     sig = {n: "constexpr" if n in consts else dtypes.get(n, plain[n]) for n in names}
     aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n == "D"}
@@ -822,11 +868,17 @@ for by_product, diag_rows in ((False, 16), (True, 16), (False, 4)):
                                            DOT_PREC="tf32", EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=by_product,
                                            LOWP_MERGE=False, DIAG_ROWS=diag_rows, g_ptr=None, beta_ptr=None),
          act, stages=1)
-for bv, stages, split, part in ((64, 3, False, False), (16, 3, False, False), (16, 4, True, False),
-                               (16, 4, True, True)):
+sm90(chunk._chunk_prepare_kernel, dict(dims, BKC=64, BVC=64, VARLEN=True, RAW_GATING=True, USE_L2=True,
+                                       DOT_PREC="tf32", EXACT_PREC="tf32x3", DIAG_BY_PRODUCT=False, LOWP_MERGE=False,
+                                       DIAG_ROWS=4, BLOCK_INV=1, SCALE_K=True, T_OUT=True, g_ptr=None, beta_ptr=None),
+     act, stages=1)
+for bv, stages, split, part, scan_t in ((64, 3, False, False, False), (16, 3, False, False, False),
+                                        (16, 4, True, False, False), (16, 4, True, True, False),
+                                        (64, 3, False, True, True), (32, 3, False, False, True),
+                                        (16, 4, True, True, True)):
     sm90(chunk._chunk_scan_kernel, dict(dims, BK=128, BV=bv, VARLEN=True, STATE_IN=True, STATE_OUT=True, POOL=True,
                                         HAS_INIT_FLAGS=True, DOT_PREC="tf32", SPLIT=split, PART=part,
-                                        CARRY_IN=part, CARRY_OUT=part),
+                                        CARRY_IN=part, CARRY_OUT=part, SCAN_T=scan_t),
          dict(act, st_ptr="*bf16", carry_ptr="*fp32"), stages=stages)
 sm90(chunk._chunk_output_kernel, dict(dims, BK=128, BV=64, VARLEN=True, DOT_PREC="tf32"), dict(act, st_ptr="*bf16"),
      stages=1)

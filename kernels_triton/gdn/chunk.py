@@ -21,9 +21,15 @@ The WY/UT chunk form of :mod:`qwen35.reference.gdn` is split where its dependenc
    1x32768 0.95 -> 0.79 ms). One such sequence of >= 16384 tokens runs in segments: the scan parts in order on
    a high-priority stream, each part's prepare and output beside the scan of the part before / after it on
    two other streams (H200, eager: 397B-TP8 1x32768 0.78 -> 0.69 ms, 27B-TP4 0.92 -> 0.79-0.83). The one-pass
-   scan runs one long sequence in parts too (parts shrinking by ``ONE_PASS_SEGMENT_RATIO``), and a batch of
+   scan runs one long sequence in parts too (part lengths by ``ONE_PASS_SEGMENT_RATIO``), and a batch of
    several long sequences in groups of whole sequences, each group's prepare beside the scan of the group before
    (``GROUPS``; needs the metadata built from the host's offsets).
+
+By default the one-pass scan forms ``V'`` itself (scan_config ``SCAN_T``): the prepare stops after the inverse and
+writes ``T diag(beta)`` (``[C, C]`` per chunk and head) where W and U would go, and each scan step computes
+``V' = (T diag(beta)) (V - diag(e^g / |k|) K S)`` from the chunk's v rows: one more ``C x C x BV`` dot on the
+state's path, but the prepare loses its W and U phases and their stores (H200: 27B-TP1 8x4096 prepare 1.05 -> 0.77
+ms, scan 0.80 -> 0.87). The split scan keeps W and U (its latency-bound state path got slower with the extra dot).
 
 A batch of at most ``CHUNK`` tokens (every sequence within one chunk: short prompts, where the host's launch
 cost dominates) runs both phases in one launch instead, ``_chunk_single_kernel``: one program per (sequence,
@@ -415,9 +421,11 @@ def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr
                    BVC: tl.constexpr, C: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr,
                    DOT_PREC: tl.constexpr, EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr,
                    LOWP_MERGE: tl.constexpr, DIAG_ROWS: tl.constexpr, STOP: tl.constexpr, BLOCK_INV: tl.constexpr = 0,
-                   SCALE_K: tl.constexpr = False):
+                   SCALE_K: tl.constexpr = False, T_OUT: tl.constexpr = False):
     """Phase 1 for the non-empty chunk ``[start, end)`` (at most C tokens) of value head ``hv``: its workspace rows
-    (W, U, Aqk, g and the row scales; see the module docstring), U only in columns ``u_lo .. u_hi``. STOP: see
+    (W, U, Aqk, g and the row scales; see the module docstring), U only in columns ``u_lo .. u_hi``. ``T_OUT``: the
+    ``[C, C]`` rows of ``T diag(beta)`` instead of W and U (row stride C from the W part's start; the scan forms
+    ``V'`` from them, scan_config ``SCAN_T``). STOP: see
     ``_chunk_prepare_kernel``. (One body on purpose: split into helpers for the scores and the W / U phase, the
     kernel built with 64 instead of 40 bytes of spills and timed 2-3 % slower on the H200, gdn_sweep_s9i3.)"""
     h = hv // (HV // H)
@@ -485,7 +493,9 @@ def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr
     # W = T diag(beta exp(g) / |k|) K and U = T diag(beta) V, in column blocks (k, v re-read from L1/L2).
     # SCALE_K: W = (T diag(beta)) (diag(exp(g) / |k|) K), one T operand for both products.
     tu = (Tinv * beta[None, :]).to(ws_dtype)
-    if SCALE_K:
+    if T_OUT:
+        _store_tile(w_ptr + head_row * C, C, tmask, 0, C, C, tu)
+    elif SCALE_K:
         ks = tl.exp(g) * rk
         for c0 in tl.range(0, K, BKC):
             k = (_load_tile(k_base, H * K, tmask, c0, K, BKC).to(tl.float32) * ks[:, None]).to(ws_dtype)
@@ -497,9 +507,10 @@ def _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr
             _store_tile(w_ptr + head_row * K, K, tmask, c0, K, BKC, tl.dot(tw, k, input_precision=DOT_PREC))
     if STOP == 4:
         return
-    for c0 in tl.range(u_lo, u_hi, BVC):
-        v = _load_tile(v_base, HV * V, tmask, c0, V, BVC).to(ws_dtype)
-        _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(tu, v, input_precision=DOT_PREC))
+    if not T_OUT:
+        for c0 in tl.range(u_lo, u_hi, BVC):
+            v = _load_tile(v_base, HV * V, tmask, c0, V, BVC).to(ws_dtype)
+            _store_tile(u_ptr + head_row * V, V, tmask, c0, V, BVC, tl.dot(tu, v, input_precision=DOT_PREC))
 
 
 @triton.jit
@@ -529,6 +540,7 @@ def _chunk_prepare_kernel(
     VARLEN: tl.constexpr, RAW_GATING: tl.constexpr, USE_L2: tl.constexpr, DOT_PREC: tl.constexpr,
     EXACT_PREC: tl.constexpr, DIAG_BY_PRODUCT: tl.constexpr = False, LOWP_MERGE: tl.constexpr = False,
     DIAG_ROWS: tl.constexpr = 16, STOP: tl.constexpr = 0, BLOCK_INV: tl.constexpr = 0, SCALE_K: tl.constexpr = False,
+    T_OUT: tl.constexpr = False,
 ):
     # STOP (timing only, never a default): 1-4 end the program after phase 1-4 (raw products and gating; scores and
     # A; the inverse; W), storing that phase's result where U / Aqk would go so the compiler keeps the work; the
@@ -541,7 +553,7 @@ def _chunk_prepare_kernel(
     if end > start:
         _prepare_chunk(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, ws_ptr, start, end,
                        hv, 0, V, T, scale, H, HV, gate_stride, K, V, BKC, BVC, C, RAW_GATING, USE_L2, DOT_PREC,
-                       EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP, BLOCK_INV, SCALE_K)
+                       EXACT_PREC, DIAG_BY_PRODUCT, LOWP_MERGE, DIAG_ROWS, STOP, BLOCK_INV, SCALE_K, T_OUT)
 
 
 @triton.jit
@@ -598,14 +610,17 @@ def _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K: tl.constex
 
 
 @triton.jit
-def _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T, H, HV, vb,
-                K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
-                DOT_PREC: tl.constexpr, SPLIT: tl.constexpr = False, st_ptr=None, st_row=0):
+def _scan_chunk(S, q_ptr, k_ptr, v_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T, H, HV,
+                vb, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, C: tl.constexpr,
+                DOT_PREC: tl.constexpr, SPLIT: tl.constexpr = False, st_ptr=None, st_row=0,
+                SCAN_T: tl.constexpr = False):
     """One chunk of phase 2 for V block ``vb`` of value head ``hv`` (key head ``h``; workspace parts as
     :func:`_workspace` gives them, computed once by the caller): writes the chunk's output block, returns the state
     after it (``S``: the state before, fp32). ``SPLIT``: the state path alone; it leaves the chunk's starting state
     (workspace dtype, ``[HV, K, V]`` at row ``st_row`` of ``st_ptr``) and ``V'`` (over U's block) to
-    ``_chunk_output_kernel``."""
+    ``_chunk_output_kernel``. ``SCAN_T``: the workspace holds ``T diag(beta)`` (the prepare's ``T_OUT``) instead of
+    W and U, and ``V' = U - W S = (T diag(beta)) (V - diag(e^g / |k|) K S)`` is formed here from the chunk's v rows
+    (with SPLIT, ``V'`` still goes to U's part: ``T diag(beta)`` then fits W's, ``K >= C``)."""
     ws_dtype = w_ptr.dtype.element_ty
     rows = tl.arange(0, C)
     tmask = rows < seq_end - chunk_start
@@ -618,14 +633,22 @@ def _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_s
         q_scale = tl.load(gcum_ptr + plane + head_row + rows, mask=tmask, other=0.0)
         q = _load_tile(q_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
     k = _load_tile(k_ptr + (chunk_start * H + h) * K, H * K, tmask, 0, K, BK).to(ws_dtype)
-    w = _load_tile(w_ptr + head_row * K, K, tmask, 0, K, BK)
-    u = _load_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV).to(tl.float32)
+    if SCAN_T:
+        tu = _load_tile(w_ptr + head_row * C, C, tmask, 0, C, C)
+        v = _load_tile(v_ptr + (chunk_start * HV + hv) * V, HV * V, tmask, vb * BV, V, BV)
+    else:
+        w = _load_tile(w_ptr + head_row * K, K, tmask, 0, K, BK)
+        u = _load_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV).to(tl.float32)
     if not SPLIT:
         aqk = _load_tile(aqk_ptr + head_row * C, C, tmask, 0, C, C)
 
     # q and k go into the dots as loaded; their norms, scale and decays are row scales of the results.
     Sd = S.to(ws_dtype)
-    v_new = u - tl.dot(w, Sd, input_precision=DOT_PREC)
+    if SCAN_T:
+        ks = tl.dot(k, Sd, input_precision=DOT_PREC) * (k_scale * tl.exp(g))[:, None]
+        v_new = tl.dot(tu, (v.to(tl.float32) - ks).to(ws_dtype), input_precision=DOT_PREC)
+    else:
+        v_new = u - tl.dot(w, Sd, input_precision=DOT_PREC)
     if SPLIT:
         _state_tile_io(st_ptr + st_row * (HV * K * V), S, hv, vb, K, V, BK, BV, True)
         _store_tile(u_ptr + head_row * V, V, tmask, vb * BV, V, BV, v_new)
@@ -651,7 +674,7 @@ def _sequence_bounds(cu_ptr, n, T, VARLEN: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "H", "HV", "NH", "chunk_lo", "chunk_hi", "nh_base"])
 def _chunk_scan_kernel(
-    q_ptr, k_ptr, ws_ptr, o_ptr, st_ptr,
+    q_ptr, k_ptr, v_ptr, ws_ptr, o_ptr, st_ptr,
     cu_ptr, h0_ptr, ht_ptr, slots_ptr, has_init_ptr, carry_ptr,
     T, pool_slot_stride, chunk_lo, chunk_hi, nh_base,
     H, HV, NH, K: tl.constexpr, V: tl.constexpr,
@@ -659,6 +682,7 @@ def _chunk_scan_kernel(
     VARLEN: tl.constexpr, STATE_IN: tl.constexpr, STATE_OUT: tl.constexpr, POOL: tl.constexpr,
     HAS_INIT_FLAGS: tl.constexpr, DOT_PREC: tl.constexpr, SPLIT: tl.constexpr = False,
     PART: tl.constexpr = False, CARRY_IN: tl.constexpr = False, CARRY_OUT: tl.constexpr = False,
+    SCAN_T: tl.constexpr = False,
 ):
     # SPLIT: the state path alone, the output left to _chunk_output_kernel; chunk states go to st_ptr [chunks, HV, K,
     # V] in the chunk table's order (sequences in order, ceil(len / C) chunks each).
@@ -666,6 +690,7 @@ def _chunk_scan_kernel(
     # the sequence; CARRY_IN / CARRY_OUT: the state before / after them is the fp32 [HV, K, V] tensor at carry_ptr
     # instead of the initial / final state.
     # nh_base: the launch's first (sequence, head) pair (a batch scanned in groups of sequences); NH: its end.
+    # SCAN_T: V' formed from v and T diag(beta) (see _scan_chunk; the prepare ran with T_OUT).
     vb = tl.program_id(0)
     nh = nh_base + tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (sequence, head) pairs: see grid_rows
     if nh >= NH:
@@ -693,8 +718,8 @@ def _chunk_scan_kernel(
         first = seq_start + chunk_lo.to(tl.int64) * C
         stop = tl.minimum(seq_end, seq_start + chunk_hi.to(tl.int64) * C)
     for chunk_start in range(first, stop, C):
-        S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T, H, HV,
-                        vb, K, V, BK, BV, C, DOT_PREC, SPLIT, st_ptr, row)
+        S = _scan_chunk(S, q_ptr, k_ptr, v_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, chunk_start, seq_end, hv, h, T,
+                        H, HV, vb, K, V, BK, BV, C, DOT_PREC, SPLIT, st_ptr, row, SCAN_T)
         row += 1
     if CARRY_OUT:
         _state_tile_io(carry_ptr, S, hv, vb, K, V, BK, BV, True)
@@ -767,8 +792,8 @@ def _chunk_single_kernel(
     S, slot = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV,
                              STATE_IN, POOL, HAS_INIT_FLAGS)
     if end > start:
-        S = _scan_chunk(S, q_ptr, k_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, start, end, hv, h, T, H, HV, vb,
-                        K, V, BK, BV, C, DOT_PREC)
+        S = _scan_chunk(S, q_ptr, k_ptr, v_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, start, end, hv, h, T, H, HV,
+                        vb, K, V, BK, BV, C, DOT_PREC)
     _final_state(ht_ptr, S, slot, n, hv, vb, pool_slot_stride, HV, K, V, BK, BV, STATE_OUT, POOL)
 
 
@@ -890,8 +915,9 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
     # 35B-A3B 1x32768 1.54 -> 1.41 / 1.40 / 1.40 ms, 27B-TP1 2.06 -> 1.88 / 1.82 / 1.80; one part -> this rule
     # (gdn_segments_s11_nvidia_h200.json): 35B 1x16384 / 1x32768 / 1x65536 0.79 -> 0.73, 1.56 -> 1.42, 3.08 -> 2.76,
     # 27B-TP1 1.06 -> 0.96, 2.08 -> 1.81, 4.11 -> 3.52. The split path's part count (one per 8192 tokens, at most 6);
-    # the parts shrink by ONE_PASS_SEGMENT_RATIO (session 13: a prepare part beside a scan part runs ~1.8x slower
-    # than alone, so the first part, whose prepare runs alone, is the longest).
+    # part lengths by ONE_PASS_SEGMENT_RATIO (session 13: a prepare part beside a scan part runs ~1.8x slower than
+    # alone, so the first part, whose prepare runs alone, is the longest; session 14: with SCAN_T's shorter prepare,
+    # equal parts at BV 64).
     parts = _segment_parts(N, per_seq)
     if parts > 1:
         return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages, "SEGMENTS": parts,
@@ -905,6 +931,23 @@ def _scan_config(device: torch.device, N: int, HV: int, K: int, V: int, per_seq:
         return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages, "GROUPS": 2,
                                         "SEG_PREPARE": True}, dtype, V)
     return _avoid_miscompiled_scan({"BV": BV, "num_warps": 4, "num_stages": stages}, dtype, V)
+
+
+def scan_t_fits(K: int, V: int, split: bool) -> bool:
+    """Whether ``T diag(beta)`` (``[C, C]`` per chunk and head, scan_config ``SCAN_T``) fits the workspace where W and U
+    go: both parts in the one-pass scan, W's alone in the split scan (which writes ``V'`` into U's)."""
+    return K >= CHUNK if split else K + V >= CHUNK
+
+
+def _default_scan_t(split: bool) -> bool:
+    """scan_config ``SCAN_T`` where neither a tuned entry nor the caller sets it (see :func:`_scan_chunk`): the
+    prepare leaves ``T diag(beta)`` and the scan forms ``V'`` itself. Session 14, H200, bf16, one process, events /
+    graph replay, ms (tuning/results/gdn_scan_t_s14_nvidia_h200.json): 27B-TP1 8x4096 1.877 / 1.843 -> 1.665 / 1.623
+    (prepare 1.053 -> 0.765, scan 0.800 -> 0.874), 35B-A3B 8x4096 1.288 -> 1.138, 35B-A3B 1x32768 1.430 -> 1.231,
+    27B-TP1 1x32768 1.819 -> 1.741, 27B-TP1 1x8192 0.560 -> 0.516, 35B-A3B 1x8192 0.436 -> 0.378, 27B-TP1 64x512
+    2.032 -> 1.839, 397B-TP8 8x4096 0.350 -> 0.313, 27B-TP4 8x4096 0.570 -> 0.570 (graph 0.530 -> 0.485); output
+    errors against the fp64 reference the same or lower (hard keys 0.0055 -> 0.0051). The split scan: not yet."""
+    return not split
 
 
 def _segment_parts(N: int, per_seq: int) -> int:
@@ -938,7 +981,7 @@ def _shared_memory_per_block(device: torch.device) -> int:
 
 
 # scan_config keys that are not launch options
-SCAN_KEYS = ("BV", "SPLIT", "SEGMENTS", "SEG_PREPARE", "GROUPS")
+SCAN_KEYS = ("BV", "SPLIT", "SEGMENTS", "SEG_PREPARE", "GROUPS", "SCAN_T")
 # prepare_config keys that are kernel flags (the rest are launch options)
 PREPARE_CONSTEXPRS = ("DIAG_BY_PRODUCT", "LOWP_MERGE", "EXACT_PREC", "DIAG_ROWS", "STOP", "BLOCK_INV", "SCALE_K")
 PREPARE_BLOCKS = ("BKC", "BVC")  # prepare_config keys that set its column blocks (prepare_consts)
@@ -1024,6 +1067,7 @@ class _Plan(NamedTuple):
     segments: int = 1  # one split sequence in this many parts, overlapping launches (scan_config SEGMENTS)
     seg_prepare: bool = False  # segments: the prepare in parts too (scan_config SEG_PREPARE)
     groups: int = 1  # a batch of one-pass scans in this many groups of sequences, overlapping launches (GROUPS)
+    scan_t: bool = False  # the one-pass scan forms V' from v and T diag(beta), the prepare stores that (SCAN_T)
 
     def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
@@ -1054,14 +1098,18 @@ class _Plan(NamedTuple):
             segments = scan_config.get("SEGMENTS", 1)
             seg_prepare = scan_config.get("SEG_PREPARE", False)
             groups = scan_config.get("GROUPS", 1)
-            for name, value in (("SPLIT", split), ("SEG_PREPARE", seg_prepare)):
+            scan_t = scan_config.get("SCAN_T", False)
+            for name, value in (("SPLIT", split), ("SEG_PREPARE", seg_prepare), ("SCAN_T", scan_t)):
                 if not isinstance(value, bool):
                     raise ValueError(f"scan_config {name}={value!r}: accepted True or False")
             for name, value in (("SEGMENTS", segments), ("GROUPS", groups)):
                 if type(value) is not int or value < 1:
                     raise ValueError(f"scan_config {name}={value!r}: accepted an integer >= 1")
+            if scan_t and not scan_t_fits(K, V, split):
+                raise ValueError(f"scan_config SCAN_T=True with K={K}, V={V}, SPLIT={split}: T diag(beta) needs K + V "
+                                 f">= {C} (W and U's place) in the one-pass scan, K >= {C} (W's) in the split scan")
             plan = plan._replace(scan_consts=(K, V, BK, scan_config["BV"], C), split=split, segments=segments,
-                                 seg_prepare=seg_prepare, groups=groups,
+                                 seg_prepare=seg_prepare, groups=groups, scan_t=scan_t,
                                  scan_options={k: v for k, v in scan_config.items() if k not in SCAN_KEYS})
         return plan
 
@@ -1080,6 +1128,8 @@ def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: 
         prepare_options=prepare_options, scan_consts=(K, V, BK, scan["BV"], CHUNK),
         scan_options={k: v for k, v in scan.items() if k not in SCAN_KEYS}, split=scan.get("SPLIT", False),
         segments=scan.get("SEGMENTS", 1), seg_prepare=scan.get("SEG_PREPARE", False), groups=scan.get("GROUPS", 1),
+        scan_t=scan.get("SCAN_T", _default_scan_t(scan.get("SPLIT", False))) and scan_t_fits(K, V, scan.get("SPLIT",
+                                                                                                           False)),
         single_options={k: v for k, v in prepare_options.items() if k != "maxnreg"})
 
 
@@ -1177,7 +1227,8 @@ def gdn_chunk_prefill(
     # One long sequence in parts (segments): each part's prepare (SEG_PREPARE) and output (split scans) run beside a
     # scan part.
     streams = dev.type != "cuda" or _cuda_driver() is not None
-    cuts = (segment_cuts(num_chunks, plan.segments, ratio=None if plan.split else ONE_PASS_SEGMENT_RATIO)
+    ratio = None if plan.split else ONE_PASS_SEGMENT_RATIO.get(plan.scan_consts[3], 0.6)
+    cuts = (segment_cuts(num_chunks, plan.segments, ratio=ratio)
             if work and N == 1 and plan.segments > 1 and streams else None)
     # A batch of sequences (one-pass scans) in groups of whole sequences, the same way: each group's prepare beside the
     # scan of the group before. Needs the chunk table's sequence offsets on the host (metadata built from them).
@@ -1188,7 +1239,7 @@ def gdn_chunk_prefill(
         cuts = [metadata.chunk_offsets[s] for s in seq_cuts]
     if work:
         prepare_args = (q, k, v, g, beta, a, b, A_log, dt_bias, bounds, ws, T, scale, 0, H, HV, gate_stride,
-                        *plan.prepare_consts, varlen, a is not None, use_qk_l2norm, *plan.prepare_flags)
+                        *plan.prepare_consts, varlen, a is not None, use_qk_l2norm, *plan.prepare_flags, plan.scan_t)
         # Phase 1: everything that does not need the running state, all chunks in parallel (in segments, with
         # SEG_PREPARE: the first segment's chunks). Launched before the other allocations: the GPU starts on it
         # while the host does them.
@@ -1221,9 +1272,9 @@ def gdn_chunk_prefill(
     # chunks' starting states and V' written instead, and the output computed from them with all chunks in parallel).
     split = plan.split and work
     states = torch.empty(num_chunks, HV, K, V, dtype=plan.ws_dtype, device=dev) if split else None
-    scan_args = (q, k, ws, o, states, cu_seqlens, h0, ht, state_slots, has_initial_state, None, T, pool_slot_stride,
-                 0, 0, 0, H, HV, N * HV, *plan.scan_consts, varlen, h0 is not None, ht is not None, pool,
-                 has_initial_state is not None, plan.dot_prec, split, False, False, False)
+    scan_args = (q, k, v, ws, o, states, cu_seqlens, h0, ht, state_slots, has_initial_state, None, T,
+                 pool_slot_stride, 0, 0, 0, H, HV, N * HV, *plan.scan_consts, varlen, h0 is not None, ht is not None,
+                 pool, has_initial_state is not None, plan.dot_prec, split, False, False, False, plan.scan_t)
     output_args = (q, ws, states, o, bounds, T, H, HV, 0, K, V, plan.scan_consts[2], wide_bv, CHUNK, varlen,
                    plan.dot_prec) if split else ()
     if cuts is not None and len(cuts) > 2:
@@ -1301,11 +1352,14 @@ def _event(device: int, i: int) -> int:
 
 # Relative lengths of the first, middle and last segments of a split scan (see segment_cuts)
 SEGMENT_WEIGHTS = (1.0, 1.0, 0.5)
-# The one-pass scan's segments: each part this much of the one before (see segment_cuts). Session 13, H200
-# (tuning/results/gdn_segment_ratio_s13_nvidia_h200.json), graph replay at the default part counts, SEGMENT_WEIGHTS
-# -> 0.6: 35B-A3B 1x32768 1.409 -> 1.390 ms, 1x65536 2.748 -> 2.717, 27B-TP1 1x32768 1.809 -> 1.781, 1x65536 3.521 ->
-# 3.487 (0.6-0.9 measured; 16384 tokens within noise). None: the split scan's SEGMENT_WEIGHTS.
-ONE_PASS_SEGMENT_RATIO: float | None = 0.6
+# The one-pass scan's segments: each part this much of the one before (see segment_cuts), by the scan's V block.
+# Session 13, H200 (tuning/results/gdn_segment_ratio_s13_nvidia_h200.json), graph replay at the default part counts,
+# SEGMENT_WEIGHTS -> 0.6: 35B-A3B 1x32768 1.409 -> 1.390 ms, 1x65536 2.748 -> 2.717, 27B-TP1 1x32768 1.809 -> 1.781,
+# 1x65536 3.521 -> 3.487 (0.6-0.9 measured; 16384 tokens within noise). Session 14, with SCAN_T (a prepare ~27 %
+# shorter; gdn_scan_t_split_s14_nvidia_h200.json), events / graph: at BV 64 (27B-TP1, 48 pairs: 96 scan programs)
+# equal parts won, 1x32768 1.735 / 1.681 -> 1.660 / 1.609 ms, 1x16384 0.932 / 0.888 -> 0.905 / 0.866 (0.8 between);
+# at BV 32 (35B-A3B) 0.6 still did, 1x32768 1.221 against 1.242 (0.8) / 1.253 (1.0), 1x65536 2.374 / 2.397 / 2.418.
+ONE_PASS_SEGMENT_RATIO: dict[int, float] = {32: 0.6, 64: 1.0}  # BV -> ratio; other BVs 0.6
 
 
 def segment_cuts(num_chunks: int, parts: int, weights: tuple[float, float, float] | None = None,

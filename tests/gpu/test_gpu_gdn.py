@@ -130,15 +130,18 @@ def _pool_prefill_vs_reference(lens, H, HV, dtype, slots, has, seed, K=128, V=12
     _check_untouched(ours, pool, slots)
 
 
+@pytest.mark.parametrize("scan_t", [False, True], ids=["w_u", "scan_t"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[8269], [3000, 0, 1, 5000, 77]], ids=["one", "ragged"])
-def test_prefill_split_output(dtype, lens):
+def test_prefill_split_output(dtype, lens, scan_t):
     """scan_config SPLIT (the scan leaves chunk states and V', a parallel launch computes the output) at the 397B-TP8
-    head counts: output and pool vs the fp64 reference, padded slots untouched, chunk rows of several sequences."""
+    head counts, with W and U or (SCAN_T) T diag(beta) from the prepare: output and pool vs the fp64 reference, padded
+    slots untouched, chunk rows of several sequences."""
     N = len(lens)
     _pool_prefill_vs_reference(lens, 2, 8, dtype, [N + 1 - i if i != 1 else -1 for i in range(N)],
                                [i % 2 == 0 for i in range(N)], seed=41,
-                               scan_config={"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True})
+                               scan_config={"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True,
+                                            "SCAN_T": scan_t})
 
 
 def _same_bits_in_parts(d, cu, pool, slots, base, parted, dtype, meta=None):  # noqa: ANN001
@@ -173,10 +176,11 @@ def _same_bits_in_parts(d, cu, pool, slots, base, parted, dtype, meta=None):  # 
     assert_close(got[0], ro, TOL[dtype], f"output {dtype}")
 
 
+@pytest.mark.parametrize("scan_t", [False, True], ids=["w_u", "scan_t"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("seg_prepare", [False, True], ids=["prepare_whole", "prepare_in_parts"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one_pass"])
-def test_prefill_in_segments_same_bits_eager_and_graph(dtype, seg_prepare, split):
+def test_prefill_in_segments_same_bits_eager_and_graph(dtype, seg_prepare, split, scan_t):
     """scan_config SEGMENTS: one sequence's scan in parts on a high-priority stream, each part's output (split
     scans) and prepare (SEG_PREPARE) beside the scan of the part before / after on two other streams. The same output
     and pool bits as one part, eager and replayed from a CUDA graph (the side streams fork from and join the
@@ -188,15 +192,16 @@ def test_prefill_in_segments_same_bits_eager_and_graph(dtype, seg_prepare, split
     slots = torch.tensor([1], dtype=torch.int32, device=DEV)
     # The one-pass scan's fp32 workspace (fp16, fp32 inputs) does not fit 3 stages (OutOfResources on the H200).
     stages = 3 if split or dtype == torch.bfloat16 else 2
-    base = {"BV": 16, "num_warps": 4, "num_stages": stages, "SPLIT": split}
+    base = {"BV": 16, "num_warps": 4, "num_stages": stages, "SPLIT": split, "SCAN_T": scan_t}
     seg = dict(base, SEGMENTS=4, SEG_PREPARE=seg_prepare)
 
     _same_bits_in_parts(d, cu, pool, slots, base, seg, dtype)
 
 
+@pytest.mark.parametrize("scan_t", [False, True], ids=["w_u", "scan_t"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("groups", [2, 3])
-def test_prefill_in_sequence_groups_same_bits_eager_and_graph(dtype, groups):
+def test_prefill_in_sequence_groups_same_bits_eager_and_graph(dtype, groups, scan_t):
     """scan_config GROUPS: a batch's one-pass scans in groups of whole sequences on a high-priority stream, each
     group's prepare beside the scan of the group before. The same output and pool bits as one launch, eager and
     replayed from a CUDA graph, three calls back to back (empty, one-token and ragged sequences, a padded slot); and
@@ -211,6 +216,7 @@ def test_prefill_in_sequence_groups_same_bits_eager_and_graph(dtype, groups):
     # (the fp32 workspace of fp16 / fp32 inputs: 16-wide V blocks in 2 stages, as in the segments test)
     base = {"BV": 32, "num_warps": 4, "num_stages": 3} if dtype == torch.bfloat16 else {"BV": 16, "num_warps": 4,
                                                                                        "num_stages": 2}
+    base["SCAN_T"] = scan_t
     grouped = dict(base, GROUPS=groups, SEG_PREPARE=True)
 
     _same_bits_in_parts(d, cu, pool, slots, base, grouped, dtype, meta)
@@ -266,20 +272,21 @@ def test_prefill_small_head_dims(dtype, dims, lens):
                                K=K, V=V)
 
 
+@pytest.mark.parametrize("scan_t", [False, True], ids=["w_u", "scan_t"])
 @pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("bv", [16, 32, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_prefill_scan_configs(dtype, bv, stages):
-    """Every scan config the op accepts gives the reference's output (Triton 3.6 built bf16 scans in one stage
-    with V blocks under 64 wrong on an H200; the op refuses those, checked here too). A config the device's
-    shared memory cannot hold is skipped."""
+def test_prefill_scan_configs(dtype, bv, stages, scan_t):
+    """Every scan config the op accepts, with W and U or (SCAN_T) T diag(beta) from the prepare, gives the
+    reference's output (Triton 3.6 built bf16 scans in one stage with V blocks under 64 wrong on an H200; the op
+    refuses those, checked here too). A config the device's shared memory cannot hold is skipped."""
     import triton
 
     lens, H, HV, K, V = [300, 1, 64, 129], 2, 8, 128, 128
     d = _gdn_inputs(sum(lens), H, HV, K, V, dtype, seed=29)
     cu = cu_from_lens(lens, DEV)
     h0 = _rand(torch.Generator(device=DEV).manual_seed(30), len(lens), HV, K, V, scale=0.1)
-    cfg = {"BV": bv, "num_warps": 4, "num_stages": stages}
+    cfg = {"BV": bv, "num_warps": 4, "num_stages": stages, "SCAN_T": scan_t}
     if dtype == torch.bfloat16 and stages == 1 and bv < 64:
         with pytest.raises(ValueError, match="num_stages >= 2"):
             kt.gdn_chunk_prefill(**d, cu_seqlens=cu, initial_state=h0, use_qk_l2norm=True, scan_config=cfg)
