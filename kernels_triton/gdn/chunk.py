@@ -240,7 +240,9 @@ def _tile_mask(rmask, cols, D: tl.constexpr, EVEN: tl.constexpr):
 def _workspace(ws_ptr, T, HV, K: tl.constexpr, V: tl.constexpr, C: tl.constexpr):
     """The one workspace allocation: W ``[HV, T, K]``, U ``[HV, T, V]``, Aqk ``[HV, T, C]`` back to back in
     the workspace dtype, then (from a 16-byte aligned offset) three fp32 ``[HV, T]`` rows per token: the
-    cumulative log-decay g, the q row scale ``scale e^g / |q|`` and the k row scale ``1 / |k|``."""
+    cumulative log-decay g, the q row scale ``scale e^g / |q|`` and the k row scale ``1 / |k|``. With scan_config
+    ``SCAN_T`` the W part's start holds ``T diag(beta)`` ``[HV, T, C]`` instead (and U's part is unused, or holds the
+    split scan's ``V'``)."""
     head_major = HV.to(tl.int64) * T
     rows_end = head_major * ((K + V + C + 7) // 8 * 8)
     gcum_ptr = (ws_ptr + rows_end).to(tl.pointer_type(tl.float32), bitcast=True)
@@ -645,8 +647,8 @@ def _scan_chunk(S, q_ptr, k_ptr, v_ptr, w_ptr, u_ptr, aqk_ptr, gcum_ptr, o_ptr, 
     # q and k go into the dots as loaded; their norms, scale and decays are row scales of the results.
     Sd = S.to(ws_dtype)
     if SCAN_T:
-        ks = tl.dot(k, Sd, input_precision=DOT_PREC) * (k_scale * tl.exp(g))[:, None]
-        v_new = tl.dot(tu, (v.to(tl.float32) - ks).to(ws_dtype), input_precision=DOT_PREC)
+        kS = tl.dot(k, Sd, input_precision=DOT_PREC) * (k_scale * tl.exp(g))[:, None]  # diag(e^g / |k|) K S
+        v_new = tl.dot(tu, (v.to(tl.float32) - kS).to(ws_dtype), input_precision=DOT_PREC)
     else:
         v_new = u - tl.dot(w, Sd, input_precision=DOT_PREC)
     if SPLIT:
@@ -946,7 +948,9 @@ def _default_scan_t(split: bool) -> bool:
     (prepare 1.053 -> 0.765, scan 0.800 -> 0.874), 35B-A3B 8x4096 1.288 -> 1.138, 35B-A3B 1x32768 1.430 -> 1.231,
     27B-TP1 1x32768 1.819 -> 1.741, 27B-TP1 1x8192 0.560 -> 0.516, 35B-A3B 1x8192 0.436 -> 0.378, 27B-TP1 64x512
     2.032 -> 1.839, 397B-TP8 8x4096 0.350 -> 0.313, 27B-TP4 8x4096 0.570 -> 0.570 (graph 0.530 -> 0.485); output
-    errors against the fp64 reference the same or lower (hard keys 0.0055 -> 0.0051). The split scan: not yet."""
+    errors against the fp64 reference the same or lower (hard keys 0.0055 -> 0.0051). The split scan keeps W and U:
+    its latency-bound state path gets the extra dot (gdn_scan_t_split_s14: 27B-TP4 1x32768 0.791 -> 0.881 ms,
+    397B-TP8 1x32768 0.689 -> 0.812)."""
     return not split
 
 
@@ -1067,7 +1071,7 @@ class _Plan(NamedTuple):
     segments: int = 1  # one split sequence in this many parts, overlapping launches (scan_config SEGMENTS)
     seg_prepare: bool = False  # segments: the prepare in parts too (scan_config SEG_PREPARE)
     groups: int = 1  # a batch of one-pass scans in this many groups of sequences, overlapping launches (GROUPS)
-    scan_t: bool = False  # the one-pass scan forms V' from v and T diag(beta), the prepare stores that (SCAN_T)
+    scan_t: bool = False  # the scan forms V' from v and T diag(beta), which the prepare stores (SCAN_T)
 
     def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
@@ -1171,10 +1175,12 @@ def gdn_chunk_prefill(
     ``STOP``) and ``scan_config`` (``BV``, ``num_warps``, ``num_stages``, ``SPLIT``: the output in a parallel
     launch after the scan; for one sequence, ``SEGMENTS``: the scan in that many parts, each part's output (split) and
     with ``SEG_PREPARE`` its prepare beside the scan of the part before / after; for several, ``GROUPS``: the one-pass
-    scan in that many groups of whole sequences, the same way, when ``metadata`` was built from the host's offsets)
-    override the launch configs of the two phases; the benchmark times variants with them. Either one also turns off
-    the single-launch path of batches of at most ``CHUNK`` tokens. Host cost matters here (short prompts at
-    TP4/TP8): one workspace allocation, cached configs, and kernels launched through :class:`DirectLauncher`.
+    scan in that many groups of whole sequences, the same way, when ``metadata`` was built from the host's offsets;
+    ``SCAN_T``: the prepare leaves ``T diag(beta)`` and the scan forms ``V'`` itself, the default of the one-pass scan
+    but off in a caller's scan_config unless set) override the launch configs of the two phases; the benchmark times
+    variants with them. Either one also turns off the single-launch path of batches of at most ``CHUNK`` tokens.
+    Host cost matters here (short prompts at TP4/TP8): one workspace allocation, cached configs, and kernels launched
+    through :class:`DirectLauncher`.
     """
     T, H, K = q.shape
     _, HV, V = v.shape
