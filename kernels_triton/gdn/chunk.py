@@ -90,7 +90,7 @@ def chunk_table(offsets: Sequence[int], out: np.ndarray | None = None) -> np.nda
     """The chunk table of a batch, built on the host from the sequence offsets (``cu_seqlens``' values): int32
     ``[max(n, 1), 2]`` holding (first token, end token) of each of the n chunks, in order (one empty row when
     n = 0). Written into ``out`` (a flat int32 array of that many values, e.g. part of a caller's pinned
-    step buffer) when given; n is :func:`num_chunks` of the offsets."""
+    step buffer) when given; n is the last of :func:`chunk_offsets` of the offsets."""
     offs = np.asarray(offsets, dtype=np.int64)
     counts = -(-(offs[1:] - offs[:-1]) // CHUNK)  # chunks per sequence (none for an empty one)
     n = int(counts.sum())
@@ -109,12 +109,6 @@ def chunk_offsets(offsets: Sequence[int]) -> tuple[int, ...]:
     """Each sequence's first chunk in the batch's chunk table, then the number of chunks (n + 1 values for the n
     sequences the offsets delimit)."""
     return (0, *itertools.accumulate(-(-(e - s) // CHUNK) for s, e in itertools.pairwise(offsets)))
-
-
-def num_chunks(offsets: Sequence[int]) -> int:
-    """The number of CHUNK-token chunks of the sequences ``offsets`` delimits (:func:`chunk_table` has
-    ``max(n, 1)`` rows)."""
-    return sum(-(-(e - s) // CHUNK) for s, e in itertools.pairwise(offsets))
 
 
 def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offsets: Sequence[int] | None = None,
@@ -1073,6 +1067,12 @@ class _Plan(NamedTuple):
     groups: int = 1  # a batch of one-pass scans in this many groups of sequences, overlapping launches (GROUPS)
     scan_t: bool = False  # the scan forms V' from v and T diag(beta), which the prepare stores (SCAN_T)
 
+    @property
+    def segment_ratio(self) -> float | None:
+        """:func:`segment_cuts`' ``ratio`` for one sequence's parts: by the one-pass scan's V block
+        (:data:`ONE_PASS_SEGMENT_RATIO`), None (its weights) for the split scan."""
+        return None if self.split else ONE_PASS_SEGMENT_RATIO.get(self.scan_consts[3], 0.6)
+
     def scan_grid(self, N: int, HV: int) -> tuple[int, int, int]:
         V, BV = self.scan_consts[1], self.scan_consts[3]
         return (-(-V // BV), *grid_rows(N * HV))
@@ -1125,15 +1125,15 @@ def _plan(device: torch.device, dtype: torch.dtype, N: int, HV: int, K: int, V: 
     BK, BV_full = _pow2(K), _pow2(V)
     flags, prepare_options = _split_prepare_config(device, dtype, None)
     scan = _scan_config(device, N, HV, K, V, per_seq, dtype)
+    split = scan.get("SPLIT", False)
     return _Plan(
         ws_dtype=ws_dtype, ws_row=(K + V + CHUNK + 7) // 8 * 8 + 3 * (4 // ws_dtype.itemsize), dot_prec=dot_prec,
         prepare_consts=(K, V, min(BK, 64), min(BV_full, 64), CHUNK),
         prepare_flags=_prepare_flags(dot_prec, flags),
         prepare_options=prepare_options, scan_consts=(K, V, BK, scan["BV"], CHUNK),
-        scan_options={k: v for k, v in scan.items() if k not in SCAN_KEYS}, split=scan.get("SPLIT", False),
+        scan_options={k: v for k, v in scan.items() if k not in SCAN_KEYS}, split=split,
         segments=scan.get("SEGMENTS", 1), seg_prepare=scan.get("SEG_PREPARE", False), groups=scan.get("GROUPS", 1),
-        scan_t=scan.get("SCAN_T", _default_scan_t(scan.get("SPLIT", False))) and scan_t_fits(K, V, scan.get("SPLIT",
-                                                                                                           False)),
+        scan_t=scan.get("SCAN_T", _default_scan_t(split)) and scan_t_fits(K, V, split),
         single_options={k: v for k, v in prepare_options.items() if k != "maxnreg"})
 
 
@@ -1233,8 +1233,7 @@ def gdn_chunk_prefill(
     # One long sequence in parts (segments): each part's prepare (SEG_PREPARE) and output (split scans) run beside a
     # scan part.
     streams = dev.type != "cuda" or _cuda_driver() is not None
-    ratio = None if plan.split else ONE_PASS_SEGMENT_RATIO.get(plan.scan_consts[3], 0.6)
-    cuts = (segment_cuts(num_chunks, plan.segments, ratio=ratio)
+    cuts = (segment_cuts(num_chunks, plan.segments, ratio=plan.segment_ratio)
             if work and N == 1 and plan.segments > 1 and streams else None)
     # A batch of sequences (one-pass scans) in groups of whole sequences, the same way: each group's prepare beside the
     # scan of the group before. Needs the chunk table's sequence offsets on the host (metadata built from them).
