@@ -401,6 +401,18 @@ def test_one_token_ties_and_switch(monkeypatch):
         tmoe.moe_block(**kw, top_k=3)
 
 
+def test_router_split_heuristic():
+    """The router GEMV's split of H at small M: ~128 programs, ~256 for 512 experts at up to 16 tokens."""
+    from kernels_triton.moe.routing import router_launch
+
+    assert router_launch(1, 2048, 256)[0] == (16, 1, 8)  # 35B-A3B: 16 column tiles x 8 splits of 256
+    assert router_launch(1, 4096, 512)[:2] == ((32, 1, 8), 512)  # 397B-A17B TP4/TP8: 32 x 8 splits of 512
+    assert router_launch(16, 4096, 512)[0] == (32, 1, 8)
+    assert router_launch(17, 4096, 512)[0] == (16, 2, 4)  # 17..64 tokens: wider column tiles, ~128 programs
+    grid, k_per_split, _ = router_launch(1, 64, 512)  # H too short to split as far: every split >= BLOCK_K
+    assert grid == (32, 1, 1) and k_per_split == 128
+
+
 def test_one_token_config_heuristic():
     """Launch shapes: gate_up one column per program in 512-wide steps, down 8 columns in 64-wide steps; narrower
     where the model is."""

@@ -248,11 +248,14 @@ def router_launch(M: int, H: int, E: int) -> tuple[tuple[int, int, int], int, di
     """(grid, K per split, constexprs + launch options) of the router GEMM for M tokens and E experts.
 
     Small M is a GEMV over the router weight: split H so that ~128 programs stream it (every split
-    is one more partial the routing sums, so no more than that). Large M uses tensor-core tiles,
+    is one more partial the routing sums, so no more than that); ~256 for 512 experts at up to 16 tokens (4 MB at
+    397B-A17B TP4 / TP8: 1.0-1.2 µs faster per block at one and 16 tokens on the H200, while 256 experts gained
+    nothing from more; tuning/results/moe_router_splits_s15_nvidia_h200.json). Large M uses tensor-core tiles,
     split only while the tiles alone leave SMs idle.
     """
     if M <= 64:
-        block_m, block_n, block_k, warps, stages, target = 16, 16 if M <= 16 else 32, 128, 4, 3, 128
+        block_m, block_n, block_k, warps, stages = 16, 16 if M <= 16 else 32, 128, 4, 3
+        target = 256 if M <= 16 and E >= 512 else 128
     elif M <= 4096:
         block_m, block_n, block_k, warps, stages, target = 64, 64, 64, 4, 4, 128
     else:
