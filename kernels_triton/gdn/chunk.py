@@ -1143,6 +1143,34 @@ _launch_single = DirectLauncher(_chunk_single_kernel)
 _launch_output = DirectLauncher(_chunk_output_kernel)
 
 
+def _state_io(initial_state: torch.Tensor | None, state_pool: torch.Tensor | None, output_final_state: bool, N: int,
+              HV: int, K: int, V: int, device: torch.device) -> tuple:
+    """(states read, states written, the final states returned): the pool both ways, else the initial states and a
+    new ``[N, HV, K, V]`` fp32 tensor when the caller asks for the final states."""
+    if state_pool is not None:
+        return state_pool, state_pool, None
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=device) if output_final_state else None
+    return initial_state, final, final
+
+
+_single_ws: dict[tuple, torch.Tensor] = {}
+
+
+def _single_workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The single-launch path's workspace (T <= CHUNK: at most a few MB): one buffer per device, stream and dtype,
+    kept between calls -- calls on one stream run one after another, so they can share it, and a call saves an
+    allocation (~4 µs of the H200 host's ~50 per short prefill). Under a CUDA-graph capture a new allocation, the
+    graph's own (a kept buffer can be replaced when it grows, which a graph must not see)."""
+    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
+        return torch.empty(numel, dtype=dtype, device=device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = (index, torch._C._cuda_getCurrentRawStream(index), dtype)
+    ws = _single_ws.get(key)
+    if ws is None or ws.numel() < numel:
+        ws = _single_ws[key] = torch.empty(numel, dtype=dtype, device=device)
+    return ws
+
+
 def gdn_chunk_prefill(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1227,9 +1255,24 @@ def gdn_chunk_prefill(
     # V blocks of the single-launch and output kernels; 64: narrower would be of the miscompiled class for bf16
     # (_miscompiled_scan)
     wide_bv = min(_pow2(V), 64)
-    copies = _cdiv(V, wide_bv) if single else 1  # the single-launch kernel's programs each have their own
-    ws = torch.empty(copies * HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
-    work = not single and num_chunks > 0 and T > 0
+    pool = state_pool is not None
+    pool_slot_stride = state_pool.stride(0) if pool else HV * K * V
+    if single:  # both phases in one launch; each of its programs has its own copy of the workspace
+        copies = _cdiv(V, wide_bv)
+        ws = _single_workspace(copies * HV * T * plan.ws_row, plan.ws_dtype, dev)
+        o = torch.empty(T, HV, V, dtype=q.dtype, device=dev) if out is None else out
+        h0, ht, final = _state_io(initial_state, state_pool, output_final_state, N, HV, K, V, dev)
+        Kc, Vc, BKC, BVC, C = plan.prepare_consts
+        _launch_single((N * HV, copies), (q, k, v, g, beta, a, b, A_log, dt_bias, ws, o, cu_seqlens, h0, ht,
+                                           state_slots, has_initial_state, T, scale, pool_slot_stride,
+                                           HV * T * plan.ws_row, H, HV, gate_stride, Kc, Vc, BKC, min(BVC, wide_bv),
+                                           plan.scan_consts[2], wide_bv, C, varlen, a is not None, use_qk_l2norm,
+                                           h0 is not None, ht is not None, pool, has_initial_state is not None,
+                                           *plan.prepare_flags),
+                       plan.single_options)
+        return o, final
+    ws = torch.empty(HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: _workspace
+    work = num_chunks > 0 and T > 0
     # One long sequence in parts (segments): each part's prepare (SEG_PREPARE) and output (split scans) run beside a
     # scan part.
     streams = dev.type != "cuda" or _cuda_driver() is not None
@@ -1251,27 +1294,7 @@ def gdn_chunk_prefill(
         first = cuts[1] if cuts is not None and plan.seg_prepare else num_chunks
         _launch_prepare((first * HV,), prepare_args, plan.prepare_options)
     o = torch.empty(T, HV, V, dtype=q.dtype, device=dev) if out is None else out
-    pool = state_pool is not None
-    final = None
-    if pool:
-        h0 = ht = state_pool
-    else:
-        h0 = initial_state
-        if output_final_state:
-            final = torch.empty(N, HV, K, V, dtype=torch.float32, device=dev)
-        ht = final
-    pool_slot_stride = state_pool.stride(0) if pool else HV * K * V
-
-    if single:
-        Kc, Vc, BKC, BVC, C = plan.prepare_consts
-        _launch_single((N * HV, copies), (q, k, v, g, beta, a, b, A_log, dt_bias, ws, o, cu_seqlens, h0, ht,
-                                           state_slots, has_initial_state, T, scale, pool_slot_stride,
-                                           HV * T * plan.ws_row, H, HV, gate_stride, Kc, Vc, BKC, min(BVC, wide_bv),
-                                           plan.scan_consts[2], wide_bv, C, varlen, a is not None, use_qk_l2norm,
-                                           h0 is not None, ht is not None, pool, has_initial_state is not None,
-                                           *plan.prepare_flags),
-                       plan.single_options)
-        return o, final
+    h0, ht, final = _state_io(initial_state, state_pool, output_final_state, N, HV, K, V, dev)
 
     # Phase 2: the sequential pass over chunks, state in registers, output and final state written (SPLIT: the
     # chunks' starting states and V' written instead, and the output computed from them with all chunks in parallel).
