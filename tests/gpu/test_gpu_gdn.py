@@ -258,6 +258,39 @@ def test_prefill_short_batch_one_launch(dtype, lens):
                                [i % 2 == 0 for i in range(N)], seed=31)
 
 
+def test_prefill_short_batch_workspace_kept_per_stream():
+    """The single-launch path keeps one workspace per stream (chunk._single_workspace): the same buffer for two calls
+    on a stream, another on another stream; two batches of different lengths back to back on one stream, and the
+    first again from a captured graph (a workspace of its own), give the bits of the calls alone."""
+    dev = torch.device("cuda")
+    first = chunk._single_workspace(1000, torch.float32, dev)
+    assert chunk._single_workspace(500, torch.float32, dev).data_ptr() == first.data_ptr()
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        assert chunk._single_workspace(1000, torch.float32, dev).data_ptr() != first.data_ptr()
+    d = _gdn_inputs(64, 4, 12, 128, 128, torch.bfloat16, seed=5)
+    e = _gdn_inputs(40, 4, 12, 128, 128, torch.bfloat16, seed=6)
+    for x in (d, e):
+        x["h0"] = torch.randn(1, 12, 128, 128, device=DEV) * 0.1
+
+    def call(x):  # noqa: ANN001, ANN202
+        return kt.gdn_chunk_prefill(x["q"], x["k"], x["v"], a=x["a"], b=x["b"], A_log=x["A_log"],
+                                    dt_bias=x["dt_bias"], initial_state=x["h0"], output_final_state=True,
+                                    use_qk_l2norm=True)
+
+    alone = []
+    for x in (d, e):
+        alone.append(call(x))
+        torch.cuda.synchronize()
+    both = [call(d), call(e)]
+    for got, want in zip(both, alone, strict=True):
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    graph, captured = capture_graph(lambda: call(d), lambda: call(d))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured[0], alone[0][0]) and torch.equal(captured[1], alone[0][1])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("dims", [(32, 32), (64, 64), (16, 48), (16, 16), (16, 64)], ids=["32", "64", "16x48", "16",
                                                                                       "16x64"])
