@@ -91,8 +91,9 @@ class DirectLauncher:
         ``data_ptr()`` call and a driver pointer query per tensor on every launch; the JIT's first launch
         of a specialisation checked them, and tensors not on a CUDA device go to the JIT (which rejects them).
 
-        The key is one flat tuple (no tuple per argument: hashing nested tuples on every lookup cost the H200's host
-        ~2 µs per launch of the GDN prefill's 45 arguments): per pointer ``None`` or its dtype and 16-byte alignment,
+        The key is one flat tuple (no tuple per argument: hashing ~45 nested tuples on every lookup cost the H200's
+        host ~1 µs per launch of the GDN prefill, tuning/notes_gdn.md session 15): per pointer ``None`` or its dtype
+        and 16-byte alignment,
         per specialised int whether it is 1 and whether 16 divides it (else its type), the constexpr values and then
         their types (True, 1 and 1.0 are equal in Python but compile differently). Each part has a fixed place or
         a fixed shape per kernel, so two calls get equal keys only where Triton would specialise them alike."""
