@@ -24,8 +24,6 @@ import triton
 import triton.language as tl
 
 _local = threading.local()
-COUNTERS = 1024  # int32 counters per device and thread: element 0 for one ticket per program (last_to_arrive),
-# all of them for launches that count arrivals per output tile (kernels_triton.moe.decode)
 
 
 def counters() -> dict[str, torch.Tensor]:
@@ -37,15 +35,13 @@ def counters() -> dict[str, torch.Tensor]:
 
 
 def arrival_counter(device: torch.device) -> torch.Tensor:
-    """This thread's zeroed int32 counters (COUNTERS of them) on ``device``: the first for :func:`last_to_arrive`,
-    and as many as a launch needs for tickets per output tile (see the module docstring); every launch leaves the
-    ones it used at zero."""
+    """This thread's zeroed int32 counter on ``device`` for :func:`last_to_arrive` (see the module docstring)."""
     mine = counters()
     key = str(device)
     counter = mine.get(key)
     if counter is not None:
         return counter
-    counter = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+    counter = torch.zeros(4, dtype=torch.int32, device=device)
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         return counter
     mine[key] = counter

@@ -66,17 +66,6 @@ class DecodeConfig:
     DOWN_N: int
     DOWN_K: int
     DOWN_WARPS: int
-    FUSED: bool = False  # one experts launch (_decode_experts_kernel) instead of gate_up + down
-    BI: int = 32  # its intermediate columns per program
-    FK: int = 128  # its K step over H (the gate / up loop)
-    FN: int = 64  # its output column tile (the down loop and the partial sums)
-    F_PARTS: int = 1  # programs per slice, each the down projection onto 1 / F_PARTS of H (each computes h itself)
-    F_WARPS: int = 4
-    F_STAGES: int = 4
-    F_PREFETCH: bool = False  # the program's W2 slice into L2 before the gate / up loop
-    F_TICKETS: bool = True  # partials summed by the tiles' last programs (else by a second launch)
-    F_RED_N: int = 16  # columns per program of that second launch
-    F_STOP: int = 0  # experiment: 1 = stop after the gate / up loop
 
 
 @functools.lru_cache(maxsize=256)
@@ -191,137 +180,8 @@ def _decode_down_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_p
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
-@triton.jit
-def _prefetch_slice_l2(base, row0, row1, row_len, col0, BI: tl.constexpr, ROWS: tl.constexpr):
-    """Prefetch ``base[row, col0 : col0 + BI]`` into L2 for rows ``row0 .. row1`` (one request per row: a slice of at
-    most 128 bytes); the last row repeats past row1."""
-    for r0 in range(row0, row1, ROWS):
-        r = tl.minimum(r0 + tl.arange(0, ROWS), row1 - 1).to(tl.int64)
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [base + r * row_len + col0],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _decode_experts_kernel(x_ptr, w13_ptr, w2_ptr, shared_w13_ptr, shared_w2_ptr, group_ptr, weight_ptr, part_ptr,
-                           count_ptr, out_ptr, H, I, E_LOCAL, SLOTS: tl.constexpr, N_SLICES: tl.constexpr,
-                           HAS_SHARED: tl.constexpr, BI: tl.constexpr, BK: tl.constexpr, BN: tl.constexpr,
-                           TILES_PAD: tl.constexpr, EVEN: tl.constexpr, IEEE: tl.constexpr,
-                           PREFETCH: tl.constexpr = False, RED_ROWS: tl.constexpr = 32, TICKETS: tl.constexpr = True,
-                           STOP: tl.constexpr = 0, PDL: tl.constexpr = False):
-    """Slot ``program_id(0)``'s intermediate columns ``program_id(1) * BI ..`` end to end, for the output columns of
-    part ``program_id(2)`` of H: ``h = silu(x Wg^T) * (x Wu^T)`` over those BI columns (a K loop over H), then the
-    slot's weighted down projection restricted to them, ``weight_j * h W2[:, cols]^T``, one partial row of the output
-    per (slot, column slice). No program waits for another: each owns its slice of I from the first weight byte to
-    its partial output. The partials are summed per BN-wide column tile by the program that takes the tile's last
-    ticket (fixed order over (slot, slice): deterministic), which also zeroes the tile's counter.
-
-    Tensor-core tiles of 16 rows hold the token in row 0 (the rest zeros): Triton pipelines their weight loads
-    through shared memory (num_stages), which keeps many bytes in flight per program."""
-    _pdl.enter(PDL)
-    j = tl.program_id(0)
-    s = tl.program_id(1)
-    part = tl.program_id(2)
-    n_parts = tl.num_programs(2)
-    P: tl.constexpr = SLOTS * N_SLICES
-    p = j * N_SLICES + s
-    n_tiles = tl.cdiv(H, BN)
-    per_part = tl.cdiv(n_tiles, n_parts)
-    t0 = part * per_part
-    t1 = tl.minimum(t0 + per_part, n_tiles)
-    group = tl.load(group_ptr + j)
-    rows = tl.arange(0, 16)
-    icols = s * BI + tl.arange(0, BI)
-    i_ok = icols < I
-    if (group >= 0) & (t1 > t0):
-        w13 = _expert_weights(w13_ptr, shared_w13_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
-        w2 = _expert_weights(w2_ptr, shared_w2_ptr, group, H * I, E_LOCAL, HAS_SHARED)
-        if PREFETCH:
-            _prefetch_slice_l2(w2, t0 * BN, tl.minimum(t1 * BN, H), I, s * BI, BI, 512)
-        ks = tl.arange(0, BK)
-        x_ptrs = x_ptr + 0 * rows[:, None] + ks[None, :]
-        x_row = (rows == 0)[:, None]
-        g_ptrs = w13 + icols[None, :] * H + ks[:, None]  # [BK, BI] view of the slice's gate rows
-        u_ptrs = g_ptrs + I * H
-        acc_g = tl.zeros((16, BI), dtype=tl.float32)
-        acc_u = tl.zeros((16, BI), dtype=tl.float32)
-        for k0 in range(0, H, BK):
-            if EVEN:
-                a = tl.load(x_ptrs, mask=x_row, other=0.0)
-                bg = tl.load(g_ptrs)
-                bu = tl.load(u_ptrs)
-            else:
-                k_ok = ks + k0 < H
-                a = tl.load(x_ptrs, mask=x_row & k_ok[None, :], other=0.0)
-                bg = tl.load(g_ptrs, mask=k_ok[:, None] & i_ok[None, :], other=0.0)
-                bu = tl.load(u_ptrs, mask=k_ok[:, None] & i_ok[None, :], other=0.0)
-            if IEEE:
-                acc_g = tl.dot(a, bg, acc_g, input_precision="ieee")
-                acc_u = tl.dot(a, bu, acc_u, input_precision="ieee")
-            else:
-                acc_g = tl.dot(a, bg, acc_g)
-                acc_u = tl.dot(a, bu, acc_u)
-            x_ptrs += BK
-            g_ptrs += BK
-            u_ptrs += BK
-        h = (acc_g / (1.0 + tl.exp(-acc_g)) * acc_u).to(x_ptr.dtype.element_ty)  # rows > 0: silu(0) * 0 = 0
-        weight = tl.load(weight_ptr + j)
-        n_mine = t1 - t0
-        if STOP == 1:
-            tl.store(part_ptr + p * H + 0 * rows[:, None] + icols[None, :], h.to(tl.float32), mask=(rows == 0)[:, None])
-            n_mine = 0
-        for it in range(0, n_mine):
-            t = t0 + (it + p) % n_mine  # programs start on different tiles: the tiles' last tickets spread out
-            cols = t * BN + tl.arange(0, BN)
-            col_ok = cols < H
-            b_ptrs = w2 + cols[None, :] * I + icols[:, None]  # [BI, BN] view of W2's rows ``cols``
-            if EVEN:
-                b = tl.load(b_ptrs)
-            else:
-                b = tl.load(b_ptrs, mask=i_ok[:, None] & col_ok[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(h, b, input_precision="ieee")
-            else:
-                acc = tl.dot(h, b)
-            tl.store(part_ptr + p * H + 0 * rows[:, None] + cols[None, :], acc * weight,
-                     mask=(rows == 0)[:, None] & col_ok[None, :])
-    # tickets for this part's tiles, one per (slot, slice) program; dropped slots' rows are skipped by the sums
-    if not TICKETS:
-        return
-    tl.debug_barrier()
-    tiles = t0 + tl.arange(0, TILES_PAD)
-    t_ok = tiles < t1
-    tickets = tl.atomic_add(count_ptr + tiles, 1, mask=t_ok, sem="acq_rel", scope="gpu")
-    last = t_ok & (tickets == P - 1)
-    for t in range(t0, t1):
-        if tl.sum(tl.where(tiles == t, last, False).to(tl.int32)) > 0:
-            cols = t * BN + tl.arange(0, BN)
-            col_ok = cols < H
-            total = tl.zeros((BN,), dtype=tl.float32)
-            for r0 in tl.static_range(0, P, RED_ROWS):
-                prow = r0 + tl.arange(0, RED_ROWS)
-                kept = tl.load(group_ptr + prow // N_SLICES, mask=prow < P, other=-1) >= 0
-                vals = tl.load(part_ptr + prow[:, None] * H + cols[None, :], mask=kept[:, None] & col_ok[None, :],
-                               other=0.0, cache_modifier=".cg")
-                total += tl.sum(vals, axis=0)
-            tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-            tl.store(count_ptr + t, 0)
-
-
-@triton.jit
-def _decode_partials_kernel(part_ptr, group_ptr, out_ptr, H, P: tl.constexpr, N_SLICES: tl.constexpr,
-                            P_PAD: tl.constexpr, BN: tl.constexpr):
-    """``out[cols] = sum_p part[p, cols]`` over the kept slots' rows, p ascending (fixed order), for BN columns."""
-    cols = tl.program_id(0) * BN + tl.arange(0, BN)
-    prow = tl.arange(0, P_PAD)
-    kept = tl.load(group_ptr + prow // N_SLICES, mask=prow < P, other=-1) >= 0
-    vals = tl.load(part_ptr + prow[:, None] * H + cols[None, :], mask=kept[:, None] & (cols < H)[None, :], other=0.0)
-    tl.store(out_ptr + cols, tl.sum(vals, axis=0).to(out_ptr.dtype.element_ty), mask=cols < H)
-
-
 # launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
 _launch_router = DirectLauncher(_decode_router_kernel)
-_launch_partials = DirectLauncher(_decode_partials_kernel)
-_launch_experts = DirectLauncher(_decode_experts_kernel)
 _launch_gate_up = DirectLauncher(_decode_gate_up_kernel)
 _launch_down = DirectLauncher(_decode_down_kernel)
 
@@ -373,35 +233,6 @@ def down_one(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, 
     return out
 
 
-def experts_one(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, shared_w13: torch.Tensor | None,
-                shared_w2: torch.Tensor | None, groups: torch.Tensor, weights: torch.Tensor, cfg: DecodeConfig,
-                pdl: bool = False) -> torch.Tensor:
-    """``[1, H]`` in x's dtype: every slot's expert MLP, weighted and summed, in one launch (see
-    :func:`_decode_experts_kernel`)."""
-    H, (E, I), slots = x.shape[1], (w13.shape[0], w13.shape[1] // 2), groups.shape[0]
-    n_slices = cdiv(I, cfg.BI)
-    n_tiles = cdiv(H, cfg.FN)
-    per_part = cdiv(n_tiles, cfg.F_PARTS)
-    counter = arrival_counter(x.device)
-    if n_tiles > counter.numel():
-        raise ValueError(f"experts_one: {n_tiles} output tiles (H={H}, FN={cfg.FN}) exceed the {counter.numel()} "
-                         "arrival counters; use a wider FN")
-    part = torch.empty(slots * n_slices, H, dtype=torch.float32, device=x.device)
-    out = torch.empty(1, H, dtype=x.dtype, device=x.device)
-    _launch_experts[(slots, n_slices, cfg.F_PARTS)](
-        x, w13, w2, shared_w13 if shared_w13 is not None else w13, shared_w2 if shared_w2 is not None else w2,
-        groups, weights, part, counter, out, H, I, E, SLOTS=slots, N_SLICES=n_slices,
-        HAS_SHARED=shared_w13 is not None, BI=cfg.BI, BK=cfg.FK, BN=cfg.FN, TILES_PAD=pow2(per_part),
-        EVEN=H % cfg.FK == 0 and I % cfg.BI == 0 and H % cfg.FN == 0, IEEE=x.dtype == torch.float32,
-        PREFETCH=cfg.F_PREFETCH and x.is_cuda, TICKETS=cfg.F_TICKETS, STOP=cfg.F_STOP, PDL=pdl,
-        num_warps=cfg.F_WARPS, num_stages=cfg.F_STAGES, **_pdl.options(pdl))
-    if not cfg.F_TICKETS:
-        P = slots * n_slices
-        _launch_partials[(cdiv(H, cfg.F_RED_N),)](part, groups, out, H, P=P, N_SLICES=n_slices, P_PAD=pow2(P),
-                                                   BN=cfg.F_RED_N, num_warps=4)
-    return out
-
-
 def moe_block_one_token(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                         top_k: int, renormalize: bool, shared_w13: torch.Tensor | None, shared_w2: torch.Tensor | None,
                         shared_gate_weight: torch.Tensor | None, expert_map: torch.Tensor | None,
@@ -412,7 +243,5 @@ def moe_block_one_token(x: torch.Tensor, router_weight: torch.Tensor, w13: torch
     cfg = cfg or decode_config(x.shape[1], w2.shape[2])
     groups, weights = route_one(x, router_weight, top_k, renormalize, n_local=w13.shape[0], expert_map=expert_map,
                                 gate_weight=shared_gate_weight if shared else None, shared=shared, pdl=pdl)
-    if cfg.FUSED:
-        return experts_one(x, w13, w2, shared_w13, shared_w2, groups, weights, cfg, pdl)
     h = gate_up_one(x, w13, shared_w13, groups, cfg, pdl)
     return down_one(h, w2, shared_w2, groups, weights, cfg, pdl)
