@@ -580,9 +580,9 @@ def test_alignment_buffers_are_16_byte_aligned_at_every_token_count():
 
 
 def test_programmatic_dependent_launch_is_for_gpus_only(monkeypatch):
-    """PDL (one token by default, every size with QWEN35_MOE_PDL=1) is for CUDA devices of sm_90+ only; never on the
-    CPU (the interpreter has no griddepcontrol), so these tests run the ordinary launches whatever the environment
-    says."""
+    """PDL (decode-sized batches by default, every size with QWEN35_MOE_PDL=1) is for CUDA devices of sm_90+ only;
+    never on the CPU (the interpreter has no griddepcontrol), so these tests run the ordinary launches whatever the
+    environment says."""
     from kernels_triton.moe import pdl
 
     for env, m in (("1", 2), ("1", 1), ("", 1)):

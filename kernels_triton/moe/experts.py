@@ -400,11 +400,12 @@ def down_tiles_per_program(cfg: GemmConfig, H: int, I: int) -> int:
 
 def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: Alignment, weights: torch.Tensor,
          cfg: GemmConfig, tiles_n: int | None = None, sub: int | None = None, tma: bool | None = None,
-         pdl: bool = False) -> torch.Tensor:
+         pdl: bool = False, prefetch: bool | None = None) -> torch.Tensor:
     """``y`` ``[M * slots, H]``: each kept slot's expert output times its router weight (dropped rows unwritten).
 
     ``tiles_n``: column tiles per program (default :func:`down_tiles_per_program`); any value gives the same bits.
-    ``sub``, ``tma``, ``pdl``: as in :func:`gate_up` (with ``pdl`` the weight rows are prefetched into L2 first).
+    ``sub``, ``tma``, ``pdl``: as in :func:`gate_up`. ``prefetch`` (with ``pdl``): the weight rows into L2 before
+    the wait; by default at one token only (kernels_triton/moe/pdl.py).
     """
     H, I = w2.shape[1], w2.shape[2]
     tma = _use_tma("down", tma, h, cfg, H, I, weights.numel() / al.n_groups)
@@ -413,12 +414,15 @@ def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: 
     tiles_n = max(1, min(tiles_n or down_tiles_per_program(cfg, H, I), n_tiles))
     grid = (al.max_blocks * cdiv(n_tiles, tiles_n),)
     lines, line_elems = _pdl.prefetch_lines(I, w2.element_size())
+    if prefetch is None:
+        prefetch = pdl and weights.shape[0] == 1
     _launch_down[grid](
         h, w2, shared_w2 if shared_w2 is not None else w2, al.sorted_slots, al.block_group, al.group_start,
         al.group_count, al.total_blocks, weights, y, H, I, w2.shape[0], HAS_SHARED=shared_w2 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
         EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32, TILES_N=tiles_n,
-        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, PDL=pdl, PREFETCH_LINES=lines if pdl else 0,
+        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, PDL=pdl,
+        PREFETCH_LINES=lines if pdl and prefetch else 0,
         LINE_ELEMS=line_elems, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl.options(pdl))
     return y
 

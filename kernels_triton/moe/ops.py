@@ -98,7 +98,9 @@ def moe_block(
     extra = None
     if shared_w13 is not None and not fused_shared:
         extra = _torch_shared_expert(x, shared_w13, shared_w2, shared_gate_weight)
-    pdl = _pdl.enabled(x)  # each launch starts while the one before finishes (one token; kernels_triton/moe/pdl.py)
+    # each launch starts while the one before finishes: where routing and alignment are one launch
+    # (kernels_triton/moe/pdl.py)
+    pdl = _pdl.enabled(x, M * top_k <= _align.ALIGN_LAST_MAX_SLOTS)
     logits, n_splits = _routing.router_logits(x, router_weight, gate, pdl=pdl)
     weights, _, al = _align.route_and_align(
         logits, n_splits, top_k, renormalize, n_experts=router_weight.shape[0], n_local=E,

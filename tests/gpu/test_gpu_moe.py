@@ -222,9 +222,10 @@ def test_facade_picks_triton_on_the_gpu(fresh_probe):
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("M", [1, 3, 16, 64, 1024])
 def test_programmatic_dependent_launch_gives_the_same_bits(M, shape, monkeypatch):
-    """QWEN35_MOE_PDL=1 (each launch starting while the one before finishes; the down GEMM prefetching its weights
-    first; the default at one token) against 0: the bits of the ordinary launches, eagerly over several inputs back
-    to back (a read of a result before it is complete would show) and replayed from a CUDA graph."""
+    """QWEN35_MOE_PDL=1 (each launch starting while the one before finishes; at one token the down GEMM prefetching
+    its weights first; the default where routing and alignment are one launch) against 0: the bits of the ordinary
+    launches, eagerly over several inputs back to back (a read of a result before it is complete would show) and
+    replayed from a CUDA graph."""
     from kernels_triton import moe
     from kernels_triton.moe import pdl
 
@@ -233,6 +234,8 @@ def test_programmatic_dependent_launch_gives_the_same_bits(M, shape, monkeypatch
     xs = [_x(M, H, torch.bfloat16, seed=10 + i) for i in range(4)]
     monkeypatch.setenv(pdl.ENV, "0")
     want = [moe.moe_block(x, top_k=k, **w) for x in xs]
+    monkeypatch.delenv(pdl.ENV)  # the default: PDL where routing and alignment are one launch (M * k <= 256)
+    assert all(torch.equal(moe.moe_block(x, top_k=k, **w), e) for x, e in zip(xs, want, strict=True))
     monkeypatch.setenv(pdl.ENV, "1")
     assert pdl.enabled(xs[0]) == (torch.cuda.get_device_capability()[0] >= 9)
     for _ in range(3):
