@@ -64,22 +64,28 @@ def gdn_inputs(T: int, H: int, HV: int, K: int, V: int, *, dtype=torch.float32, 
     return d
 
 
-def build_sm90(fn, types: dict, consts: dict, num_warps: int = 4, num_stages: int = 3) -> None:
-    """Compile a ``@triton.jit`` function to sm_90 code with Triton's bundled ptxas (no GPU needed): every
-    ``*_ptr`` argument and ``H``/``I`` are 16-divisible, pointers default to ``*i32``, other ints to ``i32``.
+def build_sm90(fn, types: dict, consts: dict, num_warps: int = 4, num_stages: int = 3,
+               divisible: tuple[str, ...] = ("H", "I")):  # noqa: ANN201
+    """Compile a ``@triton.jit`` function to sm_90 code with Triton's bundled ptxas (no GPU needed) and return it:
+    every ``*_ptr`` argument and the ints named in ``divisible`` are 16-divisible (as Triton specialises them at run
+    time); ``types`` gives argument types, else pointers are ``*i32``, ``scale`` / ``eps`` ``fp32``, other ints
+    ``i32``; constexprs not in ``consts`` take their defaults (left out, they would build as runtime integers).
     Call it in a process without TRITON_INTERPRET (see :func:`run_without_interpreter`)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        sig[n] = "constexpr" if n in consts else types.get(n, "*i32" if n.endswith("_ptr") else "i32")
-        if n.endswith("_ptr") or n in ("H", "I"):
-            attrs[(i,)] = [["tt.divisibility", 16]]
-    src = ASTSource(fn=fn, signature=sig, attrs=attrs,
-                    constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
+    names = fn.arg_names
+    consts = dict(consts)
+    for prm in fn.params:
+        if prm.is_constexpr and prm.name not in consts and prm.default is not prm._param.empty:
+            consts[prm.name] = prm.default
+    plain = {n: "*i32" if n.endswith("_ptr") else "fp32" if n in ("scale", "eps") else "i32" for n in names}
+    sig = {n: "constexpr" if n in consts else types.get(n, plain[n]) for n in names}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in divisible}
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs={(names.index(k),): v for k, v in consts.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def run_without_interpreter(code: str, timeout: int = 600):

@@ -182,20 +182,14 @@ def test_conv_planes_must_cover_the_channels():
 
 _PLANES_BUILD = r'''
 import re
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from helpers import build_sm90
 from kernels_triton import conv1d
 
 def sm90(kernel, consts, divisible):
-    """sm_90 PTX with pointers and the named ints 16-divisible (as Triton specialises them at run time)."""
-    names = kernel.arg_names
+    """The global loads and stores of the kernel's sm_90 PTX."""
     act = {n: "*bf16" for n in ("x_ptr", "y_ptr", "w_ptr", "bias_ptr", "pool_ptr")}
     act.update(has_init_ptr="*i1")
-    sig = {n: "constexpr" if n in consts else act.get(n, "*i32" if n.endswith("_ptr") else "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n in divisible}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(n),): v for n, v in consts.items()}, attrs=attrs)
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 2}).asm["ptx"]
+    ptx = build_sm90(kernel, act, consts, 4, 2, divisible=divisible).asm["ptx"]
     return sorted(re.findall(r"(?:ld|st)\.global[.\w]*", ptx))
 
 pre = dict(W=4, BT=16, BD=128, SEARCH_STEPS=6, VARLEN=True, SKIP_HEADS=True, HAS_BIAS=True, SILU=True)

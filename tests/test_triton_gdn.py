@@ -114,11 +114,16 @@ def test_prefill_diagonal_inverse_variants(variant):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("lens,varlen", [([5, 70, 0, 1, 130], True), ([200], True), ([150], False)],
                          ids=["ragged", "one_seq", "no_cu_seqlens"])
-def test_split_output_gives_the_same_bits(lens, varlen, dtype):
+def test_split_output_matches_the_one_pass_scan(lens, varlen, dtype):
     """scan_config SPLIT (the scan walks the state path alone and leaves chunk states and V'; a second launch computes
-    every chunk's output in parallel): the same output and pool bits as the one-pass scan, and the reference's
-    values; ragged batches with empty and one-token sequences, chunk-table rows of several sequences, padding
-    slots, no cu_seqlens."""
+    every chunk's output in parallel): the pool bits of the one-pass scan (the same state code), its output to
+    rounding, and the reference's values; ragged batches with empty and one-token sequences, chunk-table rows of
+    several sequences, padding slots, no cu_seqlens.
+
+    The output launch forms each chunk's output in wider V blocks than the scan does, so its dots may sum in
+    another order: on session 16's CI machine (an AVX-512 EPYC, numpy 2.3.5) the numpy matmuls behind the
+    interpreter's dots differ in the last bit of ~10 % of the fp32 outputs (1.5e-8 at most), where the machines
+    before matched bit for bit."""
     H, HV, K, V = 2, 4, 32, 32
     N = len(lens)
     d = _inputs(lens, H, HV, K, V, dtype, seed=9)
@@ -137,7 +142,7 @@ def test_split_output_gives_the_same_bits(lens, varlen, dtype):
                                          scan_config=cfg)
             p[0] = ht[0]
         got[split] = o, p
-    assert torch.equal(got[True][0], got[False][0]), "output differs from the one-pass scan's"
+    assert_close(got[True][0], got[False][0], 1e-6 if dtype == torch.float32 else 2e-5, "output vs one-pass scan")
     assert torch.equal(got[True][1], got[False][1]), "states differ from the one-pass scan's"
     d64 = _to64({k: v.cpu() for k, v in d.items()})
     if varlen:
@@ -839,26 +844,12 @@ def test_prepare_column_blocks_give_the_same_result():
 # ----------------------------------------------------------------------------- the Hopper build, on a CPU
 
 _HOPPER_BUILD = r'''
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from helpers import build_sm90
 from kernels_triton import conv1d, norms
 from kernels_triton.gdn import chunk, recurrent
 
 def sm90(kernel, consts, dtypes, warps=4, stages=2):
-    """Compile for sm_90 with every pointer 16-byte aligned (as at run time); other ints i32, floats fp32;
-    constexprs not given take their defaults (left out, they would build as runtime integers)."""
-    names = kernel.arg_names
-    consts = dict(consts)
-    for prm in kernel.params:
-        if prm.is_constexpr and prm.name not in consts and prm.default is not prm._param.empty:
-            consts[prm.name] = prm.default
-    plain = {n: "*i32" if n.endswith("_ptr") else "fp32" if n in ("scale", "eps") else "i32" for n in names}
-    sig = {n: "constexpr" if n in consts else dtypes.get(n, plain[n]) for n in names}
-    aligned = {(names.index(n),): [["tt.divisibility", 16]] for n in names if n.endswith("_ptr") or n == "D"}
-    fixed = {(names.index(n),): v for n, v in consts.items()}
-    src = ASTSource(fn=kernel, signature=sig, constexprs=fixed, attrs=aligned)
-    triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    build_sm90(kernel, dtypes, consts, warps, stages, divisible=("D",))
 
 act = {n: "*bf16" for n in ("q_ptr", "k_ptr", "v_ptr", "a_ptr", "b_ptr", "o_ptr", "ws_ptr", "x_ptr", "y_ptr",
                             "z_ptr", "w_ptr", "bias_ptr", "res_ptr", "s_ptr", "pool_ptr")}
