@@ -19,6 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels_triton._config import device_slug
 from tuning import _bench
 
 SIZES_MB = (1, 2, 4, 8, 16, 32, 48, 64)
@@ -91,11 +92,8 @@ def run(out: Path) -> list[dict]:
         rows.append(dict(what="chain " + " -> ".join(f"{mb} MB" for mb in sizes), us=round(us, 2),
                          TBps=round(sum(sizes) * (1 << 20) / us / 1e6, 2)))
         print(json.dumps(rows[-1]), flush=True)
-    out.mkdir(parents=True, exist_ok=True)
-    name = torch.cuda.get_device_name().lower().replace(" ", "_")
-    (out / f"hbm_bursts_{name}.json").write_text(json.dumps(dict(
-        device=torch.cuda.get_device_name(), op="HBM read bursts", dtype="bfloat16",
-        what="graph replay, 32 regions rotated (cold L2); us per read", rows=rows), indent=1))
+    _bench.write_results(out, f"hbm_bursts_{device_slug(_bench.device_name())}", rows, meta=dict(
+        op="HBM read bursts", dtype="bfloat16", what="graph replay, 32 regions rotated (cold L2); us per read"))
     return rows
 
 
