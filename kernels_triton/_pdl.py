@@ -47,3 +47,11 @@ def enter(PDL: tl.constexpr):
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
+
+
+@triton.jit
+def let_next_start(PDL: tl.constexpr):
+    """Let the next launch start now, for a kernel launched with PDL that waits for the launch before it on its own
+    terms (finer-grained flags that launch's programs set) instead of by :func:`enter`."""
+    if PDL:
+        gdc_launch_dependents()

@@ -17,6 +17,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the first triton import
 
 import pytest  # noqa: E402
+import triton  # noqa: E402
 from helpers import assert_builds, assert_close, rel_err  # noqa: E402
 
 from kernels_triton import _config  # noqa: E402
@@ -229,6 +230,48 @@ def test_experts_large_tiles_and_multi_chunk_alignment(monkeypatch):
     w13, w2 = _experts(gen, E, H, I, torch.float16)
     weights, ids = ref.moe_route(torch.randn(M, E, generator=gen), k)
     _check_experts(_rnd(gen, M, H, dtype=torch.float16), w13, w2, weights.to(DEVICE), ids.to(DEVICE))
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_block_wait_gives_the_same_bits_and_leaves_the_counters_zero(shared):
+    """The down launch waiting block by block on counters the gate_up launch signals (PDL's finer wait) computes
+    the same bits as the plain pair, and the combine leaves every counter zero for the next call (twice in a row).
+    Under the interpreter the launches run one after the other, so this checks the counting and the reset, not the
+    wait."""
+    from kernels_triton.moe import experts as texperts
+
+    gen = torch.Generator().manual_seed(11)
+    E, k, H, I, M = 8, 2, 64, 48, 9  # I = 48: gate_up's column tiles do not divide it
+    w13, w2 = _experts(gen, E, H, I, torch.float16)
+    sw13, sw2 = _experts(gen, 1, H, I, torch.float16)
+    x = _rnd(gen, M, H, dtype=torch.float16)
+    weights, ids = ref.moe_route(torch.randn(M, E, generator=gen), k)
+    slots = k + int(shared)
+    if shared:
+        weights = torch.cat([weights, torch.rand(M, 1, generator=gen)], 1)
+        ids = torch.cat([ids, torch.zeros(M, 1, dtype=ids.dtype)], 1)
+    weights, ids = weights.to(DEVICE).float().contiguous(), ids.to(DEVICE)
+    up_cfg, down_cfg = tconfig.configs(M, k, E, H, I, torch.float16, torch.device(DEVICE))
+    al = talign.align(ids, n_local=E, block_m=up_cfg.BLOCK_M, shared=shared)
+    shared_args = (sw13[0], sw2[0]) if shared else (None, None)
+    h = texperts.gate_up(x, w13, shared_args[0], al, slots, up_cfg)
+    want = texperts.down(h, w2, shared_args[1], al, weights, down_cfg)
+    done = texperts.block_wait_counters(torch.device(DEVICE))
+    assert done.numel() >= al.max_blocks and not done.any()
+    for _ in range(2):
+        h2 = texperts.gate_up(x, w13, shared_args[0], al, slots, up_cfg, done=done)
+        assert done[:al.max_blocks].eq(triton.cdiv(I, up_cfg.BLOCK_N)).all(), "each block signalled by its tiles"
+        got = texperts.down(h2, w2, shared_args[1], al, weights, down_cfg, done=done,
+                            up_tiles=triton.cdiv(I, up_cfg.BLOCK_N))
+        kept = al.slot_group >= 0
+        assert torch.equal(got[kept], want[kept])
+        out = texperts.combine(got, al, M, slots, done=done)
+        assert not done.any(), "the combine launch leaves every counter zero"
+        assert torch.equal(out, texperts.combine(want, al, M, slots))
+    with pytest.raises(ValueError, match="up_tiles"):
+        texperts.down(h, w2, shared_args[1], al, weights, down_cfg, done=done)
+    with pytest.raises(ValueError, match="int32"):
+        texperts.gate_up(x, w13, shared_args[0], al, slots, up_cfg, done=done[:1])
 
 
 def test_skewed_routing_and_experts_with_zero_tokens():
@@ -518,6 +561,13 @@ for bm, bn, bk, warps, stages, pdl in ((16, 32, 256, 4, 4, True), (128, 128, 64,
     build(X._gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf}, tiles, warps, stages)
     build(X._down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weights_ptr": f32, "y_ptr": bf},
           dict(tiles, TILES_N=1, PREFETCH_LINES=8 if pdl else 0, LINE_ELEMS=64), warps, stages)
+    if pdl:  # the down launch waiting block by block on counters the gate_up launch signals
+        build(X._gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf},
+              dict(tiles, SIGNAL=True), warps, stages)
+        build(X._down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weights_ptr": f32, "y_ptr": bf},
+              dict(tiles, TILES_N=1, PREFETCH_LINES=0, LINE_ELEMS=64, WAIT=True), warps, stages)
+        build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf},
+              dict(SLOTS=8, HAS_EXTRA=False, BLOCK_H=1024, PDL=True, ZERO_DONE=True))
 build(R._router_logits_kernel, router, dict(HAS_GATE=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, IEEE=False, PDL=True))
 build(A._route_align_kernel, logits, dict(route, ROWS=8, HAS_MAP=False, N_PAD=16, G_PAD=512, BLOCK_M=16, PDL=True))
 build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=False, BLOCK_H=1024,

@@ -233,38 +233,56 @@ def down_flat_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
     return rows
 
 
-def pdl_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
-    """The whole block (router to combine; without and with the shared expert; graph replay) with and without
-    programmatic dependent launch (``QWEN35_MOE_PDL=1``, kernels_triton/moe/pdl.py), alternating, and whether the
-    two give the same bits."""
+def env_sweep(out: Path, shapes: list[str], ms: list[int], env: str, stem: str, sweep: str) -> list[dict]:
+    """The whole block (router to combine; without and with the shared expert; graph replay) with the switch ``env``
+    set to 0 and to 1, alternating (best of two rounds each): ``us_off`` / ``us_on`` repeat one batch, ``rot_off`` /
+    ``rot_on`` cycle through 8 batches routed to different experts (their weights not left in L2, as between a
+    model's layers); and whether the two give the same bits."""
     import os
-
-    from kernels_triton.moe import pdl
 
     rows = []
     for name in shapes:
         E, k, H, I = SHAPES[name]
         w = _weights(E, H, I)
         for M, shared in itertools.product(ms, (False, True)):
-            x = _x(M, H)
-            call = functools.partial(ours, x, w["router_weight"], w["w13"], w["w2"], k, w["shared"] if shared else None)
-            got, us = {}, {False: [], True: []}
+            xs = [_x(M, H, seed=1 + s) for s in range(8)]
+            calls = [functools.partial(ours, x, w["router_weight"], w["w13"], w["w2"], k,
+                                       w["shared"] if shared else None) for x in xs]
+            got, us, rot = {}, {False: [], True: []}, {False: [], True: []}
             try:
                 for _ in range(2):
                     for on in (False, True):
-                        os.environ[pdl.ENV] = "1" if on else "0"
-                        got[on] = call()
-                        us[on].append(_bench.time_graph_ms(call) * 1e3)
-                r = dict(sweep="pdl", shape=f"{name} M={M}", shared=shared, us_off=round(min(us[False]), 2),
-                         us_pdl=round(min(us[True]), 2), same_bits=bool(torch.equal(got[True], got[False])))
+                        os.environ[env] = "1" if on else "0"
+                        got[on] = calls[0]()
+                        us[on].append(_bench.time_graph_ms(calls[0]) * 1e3)
+                        rot[on].append(_rotating_graph_us(calls))
+                r = dict(sweep=sweep, shape=f"{name} M={M}", shared=shared, us_off=round(min(us[False]), 2),
+                         us_on=round(min(us[True]), 2), rot_off=round(min(rot[False]), 2),
+                         rot_on=round(min(rot[True]), 2), same_bits=bool(torch.equal(got[True], got[False])))
             except Exception as e:  # noqa: BLE001 - record and go on
-                r = dict(sweep="pdl", shape=f"{name} M={M}", shared=shared, error=f"{type(e).__name__}: {str(e)[:300]}")
+                r = dict(sweep=sweep, shape=f"{name} M={M}", shared=shared, error=f"{type(e).__name__}: {str(e)[:300]}")
             finally:
-                os.environ.pop(pdl.ENV, None)
-            _record(rows, r, out, "moe_pdl")
+                os.environ.pop(env, None)
+            _record(rows, r, out, stem)
         del w
         torch.cuda.empty_cache()
     return rows
+
+
+def pdl_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
+    """:func:`env_sweep` of programmatic dependent launch (``QWEN35_MOE_PDL``, kernels_triton/moe/pdl.py)."""
+    from kernels_triton.moe import pdl
+
+    return env_sweep(out, shapes, ms, pdl.ENV, "moe_pdl", "pdl")
+
+
+def block_wait_sweep(out: Path, shapes: list[str], ms: list[int], tag: str = "") -> list[dict]:
+    """:func:`env_sweep` of the down launch waiting block by block (``QWEN35_MOE_BLOCK_WAIT``, with PDL as by
+    default) rather than for the whole gate_up launch."""
+    from kernels_triton.moe import experts
+
+    return env_sweep(out, shapes, ms, experts.BLOCK_WAIT_ENV, f"moe_block_wait{'_' + tag if tag else ''}",
+                     "block_wait")
 
 
 def _rotating_graph_us(calls: list) -> float:
@@ -664,6 +682,8 @@ def main(argv: list[str] | None = None) -> int:
                     "last blocks, at 64- and 128-row blocks")
     ap.add_argument("--pdl", action="store_true", help="the whole block with and without programmatic dependent "
                     "launch (QWEN35_MOE_PDL)")
+    ap.add_argument("--block-wait", action="store_true", help="the whole block with the down launch waiting block "
+                    "by block and for the whole gate_up launch (QWEN35_MOE_BLOCK_WAIT)")
     ap.add_argument("--decode", action="store_true", help="one token: the general pipeline against the decode path")
     ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
                     help="also time each stage with the shared expert up to this many tokens")
@@ -682,6 +702,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.pdl:
         pdl_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1, 4, 16, 64, 256])
+        return 0
+    if args.block_wait:
+        block_wait_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [2, 4, 16, 32], args.tag)
         return 0
     if args.decode:
         decode_sweep(out, shapes)

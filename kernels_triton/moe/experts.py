@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
+from kernels_triton._arrival import BLOCK_COUNTERS, block_counters, signal, wait_for
 from kernels_triton._launch import DirectLauncher, ensure_scratch_allocator
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.align import Alignment
@@ -112,17 +113,21 @@ def _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
-                    total_blocks_ptr, h_ptr, H, I, SLOTS, E_LOCAL, HAS_SHARED: tl.constexpr,
+                    total_blocks_ptr, h_ptr, done_ptr, H, I, SLOTS, E_LOCAL, HAS_SHARED: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                     EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, SUB_LEVELS: tl.constexpr = 0,
-                    TMA: tl.constexpr = False, PDL: tl.constexpr = False):
+                    TMA: tl.constexpr = False, PDL: tl.constexpr = False, SIGNAL: tl.constexpr = False):
     """One aligned block times one column tile. With SUB_LEVELS, a group's last block holding at most
-    BLOCK_M / 2 (/ 4 with two levels) real rows runs a tile of that height: its padding rows cost no MMA work."""
+    BLOCK_M / 2 (/ 4 with two levels) real rows runs a tile of that height: its padding rows cost no MMA work.
+    SIGNAL: every program then signals its block's counter ``done_ptr[block]`` (unused blocks too), for a down
+    launch that waits block by block (:func:`down`)."""
     _pdl.enter(PDL)
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(I, BLOCK_N)
     block, tile_n = pid // n_tiles, pid % n_tiles
     if block >= tl.load(total_blocks_ptr):
+        if SIGNAL:
+            signal(done_ptr + block)
         return
     group, start, count, n_real = _block_group(block, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M)
     w_base = _expert_weights(w_ptr, shared_w_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
@@ -131,25 +136,33 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, gro
         if n_real <= BLOCK_M // 4:
             _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BLOCK_M // 4,
                           BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TMA)
+            if SIGNAL:
+                signal(done_ptr + block)
             return
     if SUB_LEVELS >= 1:
         if n_real <= BLOCK_M // 2:
             _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BLOCK_M // 2,
                           BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TMA)
+            if SIGNAL:
+                signal(done_ptr + block)
             return
     _gate_up_tile(x_ptr, w_base, sorted_ptr, h_ptr, row0, start, count, tile_n, H, I, SLOTS, BLOCK_M,
                   BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TMA)
+    if SIGNAL:
+        signal(done_ptr + block)
 
 
 @triton.jit
-def _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN: tl.constexpr, IEEE: tl.constexpr):
-    """One K step of the down GEMM: ``acc += h[rows, k0:k0+BK] @ W2[cols, k0:k0+BK]^T`` (masked unless EVEN)."""
+def _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN: tl.constexpr, IEEE: tl.constexpr,
+               CG: tl.constexpr = False):
+    """One K step of the down GEMM: ``acc += h[rows, k0:k0+BK] @ W2[cols, k0:k0+BK]^T`` (masked unless EVEN;
+    CG: h past L1, as a launch still running stored it)."""
     if EVEN:
-        a = tl.load(a_ptrs)
+        a = tl.load(a_ptrs, cache_modifier=".cg" if CG else "")
         b = tl.load(b_ptrs)
     else:
         k_ok = (ks + k0) < I
-        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=k_ok[None, :], other=0.0, cache_modifier=".cg" if CG else "")
         b = tl.load(b_ptrs, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
     if IEEE:  # fp32 inputs: full fp32 products, not tf32
         return tl.dot(a, b, acc, input_precision="ieee")
@@ -157,12 +170,12 @@ def _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN: tl.constexpr, IEEE:
 
 
 @triton.jit
-def _down_step_tma(a_ptrs, w_desc, acc, n0, k0, ks, I, EVEN_K: tl.constexpr):
+def _down_step_tma(a_ptrs, w_desc, acc, n0, k0, ks, I, EVEN_K: tl.constexpr, CG: tl.constexpr = False):
     """:func:`_down_step` with the weight tile from a tensor descriptor (bf16 / fp16 only)."""
     if EVEN_K:
-        a = tl.load(a_ptrs)
+        a = tl.load(a_ptrs, cache_modifier=".cg" if CG else "")
     else:
-        a = tl.load(a_ptrs, mask=(ks + k0 < I)[None, :], other=0.0)
+        a = tl.load(a_ptrs, mask=(ks + k0 < I)[None, :], other=0.0, cache_modifier=".cg" if CG else "")
     return tl.dot(a, w_desc.load([n0, k0]).T, acc)
 
 
@@ -175,11 +188,11 @@ def _down_store(acc, weight, y_rows, real, cols, H):
 
 @triton.jit
 def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_start_ptr, group_count_ptr,
-                 total_blocks_ptr, weights_ptr, y_ptr, H, I, E_LOCAL, HAS_SHARED: tl.constexpr,
+                 total_blocks_ptr, weights_ptr, y_ptr, done_ptr, UP_TILES, H, I, E_LOCAL, HAS_SHARED: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  EVEN_K: tl.constexpr, EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr = 1,
                  SUB_LEVELS: tl.constexpr = 0, TMA: tl.constexpr = False, PDL: tl.constexpr = False,
-                 PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64):
+                 PREFETCH_LINES: tl.constexpr = 0, LINE_ELEMS: tl.constexpr = 64, WAIT: tl.constexpr = False):
     """One aligned block times TILES_N column tiles of its expert's W2 (SUB_LEVELS: as in the gate_up kernel).
 
     TILES_N > 1 runs the tiles' K loops as one flat loop (the epilogue of a tile inside it), so the
@@ -189,6 +202,10 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
 
     PREFETCH_LINES (with PDL): before waiting for the gate_up launch, the program's weight rows go into L2 (the
     alignment that names its expert is finished by then; kernels_triton.moe.pdl).
+
+    WAIT: instead of waiting for the whole gate_up launch (PDL), a program waits for the UP_TILES gate_up programs
+    of its own block (``done_ptr[block]``, see :func:`down`), so blocks whose ``h`` is ready run while the gate_up
+    launch's last programs still stream their weights.
     """
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(H, BLOCK_N)
@@ -199,7 +216,11 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
             w_next = _expert_weights(w_ptr, shared_w_ptr, tl.load(block_group_ptr + block), H * I, E_LOCAL,
                                      HAS_SHARED)
             _pdl.prefetch_rows_l2(w_next, tile_n * BLOCK_N, H, I, BLOCK_N * TILES_N, PREFETCH_LINES, LINE_ELEMS)
-    _pdl.enter(PDL)
+    if WAIT:
+        _pdl.let_next_start(PDL)
+        wait_for(done_ptr + block, UP_TILES)
+    else:
+        _pdl.enter(PDL)
     if block >= tl.load(total_blocks_ptr):
         return
     group, start, count, n_real = _block_group(block, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M)
@@ -208,21 +229,22 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
     if SUB_LEVELS >= 2:
         if n_real <= BLOCK_M // 4:
             _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile_n, n_tiles, H, I,
-                        BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N, TMA)
+                        BLOCK_M // 4, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N, TMA, WAIT)
             return
     if SUB_LEVELS >= 1:
         if n_real <= BLOCK_M // 2:
             _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile_n, n_tiles, H, I,
-                        BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N, TMA)
+                        BLOCK_M // 2, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N, TMA, WAIT)
             return
     _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile_n, n_tiles, H, I,
-                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N, TMA)
+                BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, EVEN_N, IEEE, TILES_N, TMA, WAIT)
 
 
 @triton.jit
 def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, count, tile0, n_tiles, H, I,
                 BM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr, TMA: tl.constexpr):
+                EVEN_N: tl.constexpr, IEEE: tl.constexpr, TILES_N: tl.constexpr, TMA: tl.constexpr,
+                CG: tl.constexpr = False):
     """Column tiles ``tile0 ..`` (at most TILES_N) of the BM aligned rows from ``row0`` (TMA: weight tiles by the
     tensor-memory accelerator, K-contiguous ``[BLOCK_N, BLOCK_K]``, zero-filled past H and I).
 
@@ -242,11 +264,11 @@ def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, coun
         if TMA:
             w_desc = tl.make_tensor_descriptor(w_base, shape=[H, I], strides=[I, 1], block_shape=[BLOCK_N, BLOCK_K])
             for k0 in range(0, I, BLOCK_K):
-                acc = _down_step_tma(a_ptrs, w_desc, acc, tile0 * BLOCK_N, k0, ks, I, EVEN_K)
+                acc = _down_step_tma(a_ptrs, w_desc, acc, tile0 * BLOCK_N, k0, ks, I, EVEN_K, CG)
                 a_ptrs += BLOCK_K
         else:
             for k0 in range(0, I, BLOCK_K):
-                acc = _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN_K and EVEN_N, IEEE)
+                acc = _down_step(a_ptrs, b_ptrs, acc, k0, ks, I, col_ok, EVEN_K and EVEN_N, IEEE, CG)
                 a_ptrs += BLOCK_K
                 b_ptrs += BLOCK_K
         _down_store(acc, weight, y_rows, real, cols, H)
@@ -260,7 +282,7 @@ def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, coun
                 t = it // n_k
                 k0 = (it - t * n_k) * BLOCK_K
                 acc = _down_step_tma(a_rows + (k0 + ks)[None, :], w_desc, acc, (tile0 + t) * BLOCK_N, k0, ks, I,
-                                     EVEN_K)
+                                     EVEN_K, CG)
                 if k0 + BLOCK_K >= I:  # this tile's last K step: epilogue, then start the next tile from zero
                     _down_store(acc, weight, y_rows, real, (tile0 + t) * BLOCK_N + tl.arange(0, BLOCK_N), H)
                     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
@@ -270,17 +292,26 @@ def _down_tiles(h_ptr, w_base, sorted_ptr, weights_ptr, y_ptr, row0, start, coun
                 k0 = (it - t * n_k) * BLOCK_K
                 cols = (tile0 + t) * BLOCK_N + tl.arange(0, BLOCK_N)
                 acc = _down_step(a_rows + (k0 + ks)[None, :], w_base + cols[None, :] * I + (k0 + ks)[:, None], acc,
-                                 k0, ks, I, cols < H, EVEN_K and EVEN_N, IEEE)
+                                 k0, ks, I, cols < H, EVEN_K and EVEN_N, IEEE, CG)
                 if k0 + BLOCK_K >= I:
                     _down_store(acc, weight, y_rows, real, cols, H)
                     acc = tl.zeros((BM, BLOCK_N), dtype=tl.float32)
 
 
 @triton.jit
-def _combine_kernel(y_ptr, slot_group_ptr, extra_ptr, out_ptr, H, SLOTS: tl.constexpr, HAS_EXTRA: tl.constexpr,
-                    BLOCK_H: tl.constexpr, PDL: tl.constexpr = False):
-    """out[t] = sum_j y[t * SLOTS + j] (dropped slots skipped), j ascending, in fp32; + extra[t]."""
+def _combine_kernel(y_ptr, slot_group_ptr, extra_ptr, out_ptr, done_ptr, N_DONE, H, SLOTS: tl.constexpr,
+                    HAS_EXTRA: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = False,
+                    ZERO_DONE: tl.constexpr = False):
+    """out[t] = sum_j y[t * SLOTS + j] (dropped slots skipped), j ascending, in fp32; + extra[t].
+
+    ZERO_DONE: the first program puts the N_DONE block counters the expert launches used back to zero (both have
+    finished: this launch waits for the down launch, which waited for the gate_up launch's every block)."""
     _pdl.enter(PDL)
+    if ZERO_DONE:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            for b0 in range(0, N_DONE, BLOCK_H):
+                bs = b0 + tl.arange(0, BLOCK_H)
+                tl.store(done_ptr + bs, tl.zeros_like(bs), mask=bs < N_DONE)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     col_ok = cols < H
@@ -366,22 +397,27 @@ def _use_tma(which: str, tma: bool | None, x: torch.Tensor, cfg: GemmConfig, H: 
 
 
 def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None, al: Alignment, slots: int,
-            cfg: GemmConfig, sub: int | None = None, tma: bool | None = None, pdl: bool = False) -> torch.Tensor:
+            cfg: GemmConfig, sub: int | None = None, tma: bool | None = None, pdl: bool = False,
+            done: torch.Tensor | None = None) -> torch.Tensor:
     """``h`` ``[max_blocks * BLOCK_M, I]`` in aligned row order (padding rows unwritten).
 
     ``sub``: tile-halving levels for a group's last block (default :func:`sub_levels`). ``tma``: weight tiles
-    through tensor descriptors (default :func:`tma_default`); the same bits either way up to the MMA order."""
+    through tensor descriptors (default :func:`tma_default`); the same bits either way up to the MMA order.
+    ``done``: block counters (:func:`block_wait_counters`) each program signals when its tile of ``h`` is stored;
+    the :func:`down` launch that follows must then wait on them, and the :func:`combine` after it zero them."""
     H, I = x.shape[1], w13.shape[1] // 2
     tma = _use_tma("gate_up", tma, x, cfg, H, I, x.shape[0] * slots / al.n_groups)
     h = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=x.device)
     grid = (al.max_blocks * cdiv(I, cfg.BLOCK_N),)
+    _check_counters(done, al)
     _launch_gate_up[grid](
         x, w13, shared_w13 if shared_w13 is not None else w13, al.sorted_slots, al.block_group, al.group_start,
-        al.group_count, al.total_blocks, h, H, I, slots, w13.shape[0], HAS_SHARED=shared_w13 is not None,
+        al.group_count, al.total_blocks, h, done if done is not None else al.total_blocks, H, I, slots, w13.shape[0],
+        HAS_SHARED=shared_w13 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=H % cfg.BLOCK_K == 0,
         EVEN_N=I % cfg.BLOCK_N == 0, IEEE=x.dtype == torch.float32,
-        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **_pdl.options(pdl))
+        SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, PDL=pdl, SIGNAL=done is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl.options(pdl))
     return h
 
 
@@ -400,12 +436,15 @@ def down_tiles_per_program(cfg: GemmConfig, H: int, I: int) -> int:
 
 def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: Alignment, weights: torch.Tensor,
          cfg: GemmConfig, tiles_n: int | None = None, sub: int | None = None, tma: bool | None = None,
-         pdl: bool = False, prefetch: bool | None = None) -> torch.Tensor:
+         pdl: bool = False, prefetch: bool | None = None, done: torch.Tensor | None = None,
+         up_tiles: int = 0) -> torch.Tensor:
     """``y`` ``[M * slots, H]``: each kept slot's expert output times its router weight (dropped rows unwritten).
 
     ``tiles_n``: column tiles per program (default :func:`down_tiles_per_program`); any value gives the same bits.
     ``sub``, ``tma``, ``pdl``: as in :func:`gate_up`. ``prefetch`` (with ``pdl``): the weight rows into L2 before
-    the wait; by default at one token only (kernels_triton/moe/pdl.py).
+    the wait; by default at one token only (kernels_triton/moe/pdl.py). ``done``: the counters the gate_up launch
+    just before signalled (``gate_up(done=...)``, ``up_tiles`` = its column tiles per block): each program waits for
+    its own block's gate_up programs instead of the whole launch (:func:`block_wait_default`).
     """
     H, I = w2.shape[1], w2.shape[2]
     tma = _use_tma("down", tma, h, cfg, H, I, weights.numel() / al.n_groups)
@@ -416,24 +455,67 @@ def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: 
     lines, line_elems = _pdl.prefetch_lines(I, w2.element_size())
     if prefetch is None:
         prefetch = pdl and weights.shape[0] == 1
+    _check_counters(done, al)
+    if done is not None and up_tiles < 1:
+        raise ValueError(f"down: with done counters, up_tiles (the gate_up launch's column tiles per block) must be "
+                         f">= 1, got {up_tiles}")
     _launch_down[grid](
         h, w2, shared_w2 if shared_w2 is not None else w2, al.sorted_slots, al.block_group, al.group_start,
-        al.group_count, al.total_blocks, weights, y, H, I, w2.shape[0], HAS_SHARED=shared_w2 is not None,
+        al.group_count, al.total_blocks, weights, y, done if done is not None else al.total_blocks, up_tiles, H, I,
+        w2.shape[0], HAS_SHARED=shared_w2 is not None,
         BLOCK_M=al.block_m, BLOCK_N=cfg.BLOCK_N, BLOCK_K=cfg.BLOCK_K, EVEN_K=I % cfg.BLOCK_K == 0,
         EVEN_N=H % cfg.BLOCK_N == 0, IEEE=h.dtype == torch.float32, TILES_N=tiles_n,
         SUB_LEVELS=sub_levels(al.block_m) if sub is None else sub, TMA=tma, PDL=pdl,
-        PREFETCH_LINES=lines if pdl and prefetch else 0,
-        LINE_ELEMS=line_elems, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl.options(pdl))
+        PREFETCH_LINES=lines if pdl and prefetch else 0, LINE_ELEMS=line_elems, WAIT=done is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl.options(pdl))
     return y
 
 
+BLOCK_WAIT_ENV = "QWEN35_MOE_BLOCK_WAIT"  # "0" / "1": down waits for the whole gate_up launch / block by block
+
+
+BLOCK_WAIT_MAX_TOKENS = 16  # the default's reach (see block_wait_default)
+
+
+def block_wait_default(pdl: bool, al: Alignment, M: int) -> bool:
+    """Whether the down launch for M tokens waits block by block (``done`` counters the gate_up launch signals)
+    rather than for the whole gate_up launch.
+
+    Only with PDL, where the down launch's programs start while the gate_up launch's last ones run (without it the
+    whole launch has finished anyway): each down program then starts as soon as the gate_up programs of its own
+    block have stored ``h``, and fills the SMs the gate_up launch's last wave leaves idle. ``QWEN35_MOE_BLOCK_WAIT``
+    = 0 / 1 decides if set; else up to BLOCK_WAIT_MAX_TOKENS tokens. H200, whole block by graph replay, 8 batches
+    cycled, µs (tuning/results/moe_block_wait_s17_nvidia_h200.json): 35B-A3B M=2 41.2 -> 40.3, M=16 166.2 -> 161.9;
+    397B-TP8 M=2 35.9 -> 34.6, M=16 134.8 -> 134.4; but 35B M=32 252.6 -> 255.0 (more, shorter down programs, each
+    paying its wait's round trip).
+    """
+    if not pdl or al.max_blocks > BLOCK_COUNTERS:
+        return False
+    env = _pdl.env_choice(BLOCK_WAIT_ENV)
+    return M <= BLOCK_WAIT_MAX_TOKENS if env is None else env
+
+
+def block_wait_counters(device: torch.device) -> torch.Tensor:
+    """The zeroed per-block counters a gate_up launch signals and the down launch after it waits on."""
+    return block_counters(device)
+
+
+def _check_counters(done: torch.Tensor | None, al: Alignment) -> None:
+    if done is not None and (done.dtype != torch.int32 or done.numel() < al.max_blocks):
+        raise ValueError(f"done counters: need int32 with at least {al.max_blocks} entries (one per block), got "
+                         f"{done.dtype} with {done.numel()}")
+
+
 def combine(y: torch.Tensor, al: Alignment, M: int, slots: int, extra: torch.Tensor | None = None,
-            pdl: bool = False) -> torch.Tensor:
-    """``[M, H]`` in y's dtype: the fixed-order sum of each token's slots (+ ``extra``)."""
+            pdl: bool = False, done: torch.Tensor | None = None) -> torch.Tensor:
+    """``[M, H]`` in y's dtype: the fixed-order sum of each token's slots (+ ``extra``). ``done``: the block counters
+    the gate_up and down launches before it used, put back to zero."""
     H = y.shape[1]
     out = torch.empty(M, H, dtype=y.dtype, device=y.device)
     block_h = min(1024, pow2(H))
+    _check_counters(done, al)
     _launch_combine[(M, cdiv(H, block_h))](
-        y, al.slot_group, extra if extra is not None else y, out, H, SLOTS=slots, HAS_EXTRA=extra is not None,
-        BLOCK_H=block_h, PDL=pdl, num_warps=4, **_pdl.options(pdl))
+        y, al.slot_group, extra if extra is not None else y, out, done if done is not None else al.total_blocks,
+        al.max_blocks, H, SLOTS=slots, HAS_EXTRA=extra is not None, BLOCK_H=block_h, PDL=pdl,
+        ZERO_DONE=done is not None, num_warps=4, **_pdl.options(pdl))
     return out

@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._pdl import enter, env_choice, options, supported
+from kernels_triton._pdl import enter, env_choice, let_next_start, options, supported
 
-__all__ = ["ENV", "enabled", "enter", "options", "prefetch_lines", "prefetch_rows_l2"]
+__all__ = ["ENV", "enabled", "enter", "let_next_start", "options", "prefetch_lines", "prefetch_rows_l2"]
 
 ENV = "QWEN35_MOE_PDL"
 

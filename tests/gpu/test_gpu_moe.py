@@ -248,3 +248,37 @@ def test_programmatic_dependent_launch_gives_the_same_bits(M, shape, monkeypatch
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, want[i]), f"graph replay {i} differs"
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("M,pdl_env", [(2, ""), (16, ""), (32, ""), (1024, "1")])
+def test_block_wait_gives_the_same_bits(M, pdl_env, shape, monkeypatch):
+    """The down launch waiting block by block on counters the gate_up launch signals (the default with PDL) against
+    waiting for the whole gate_up launch (QWEN35_MOE_BLOCK_WAIT=0): the same bits over 16 inputs back to back (a
+    read of an ``h`` tile before its block is complete would show), with and without the shared expert, and from a
+    CUDA graph replayed; every counter zero afterwards."""
+    from kernels_triton import moe
+    from kernels_triton.moe import experts, pdl
+
+    E, k, H, _ = SHAPES[shape]
+    w = _weights(shape, torch.bfloat16)
+    xs = [_x(M, H, torch.bfloat16, seed=60 + i) for i in range(16)]
+    monkeypatch.setenv(pdl.ENV, pdl_env)
+    monkeypatch.setenv(experts.BLOCK_WAIT_ENV, "0")
+    want = [moe.moe_block(x, top_k=k, **w) for x in xs]
+    no_shared = dict(w, shared_w13=None, shared_w2=None, shared_gate_weight=None)
+    want_routed = [moe.moe_block(x, top_k=k, **no_shared) for x in xs[:4]]
+    monkeypatch.setenv(experts.BLOCK_WAIT_ENV, "1")
+    for _ in range(2):
+        got = [moe.moe_block(x, top_k=k, **w) for x in xs]
+        assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True)), "block wait changed the output"
+        got = [moe.moe_block(x, top_k=k, **no_shared) for x in xs[:4]]
+        assert all(torch.equal(g, e) for g, e in zip(got, want_routed, strict=True)), "changed the routed output"
+    x = xs[0].clone()
+    graph, captured = capture_graph(lambda: moe.moe_block(x, top_k=k, **w), lambda: moe.moe_block(x, top_k=k, **w))
+    for i in (3, 1, 2, 0, 5):
+        x.copy_(xs[i])
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, want[i]), f"graph replay {i} differs"
+    assert not experts.block_wait_counters(x.device).any(), "a counter was left non-zero"
