@@ -470,6 +470,19 @@ def test_one_token_config_heuristic():
 # ----------------------------------------------------------------------------- configs and façade
 
 
+def test_decode_sized_config_heuristic():
+    """At up to 16 tokens (16-row blocks) gate_up takes 64-wide column tiles unless that leaves fewer than 64
+    programs (then 32-wide ones), and down 128 x 256 tiles in two stages; from 17 tokens the earlier shapes."""
+    G = tconfig.GemmConfig
+    assert tconfig.heuristic("gate_up", 2, 8, 256, 1024, 2048) == G(16, 64, 128, 4, 4)  # 35B: 16 x 8 programs
+    assert tconfig.heuristic("gate_up", 2, 10, 512, 256, 4096) == G(16, 32, 256, 4, 4)  # 397B-TP8: 20 x 2
+    assert tconfig.heuristic("gate_up", 4, 10, 512, 256, 4096) == G(16, 64, 128, 4, 4)  # 40 x 2
+    assert tconfig.heuristic("gate_up", 24, 8, 256, 1024, 2048) == G(16, 64, 128, 4, 4)
+    assert tconfig.heuristic("down", 16, 8, 256, 2048, 512) == G(16, 128, 256, 4, 2)
+    assert tconfig.heuristic("down", 16, 10, 512, 4096, 128) == G(16, 128, 128, 4, 2)  # BLOCK_K within I
+    assert tconfig.heuristic("down", 17, 8, 256, 2048, 512) == G(16, 128, 64, 4, 5)
+
+
 def test_config_heuristic_and_tuned_file(tmp_path, monkeypatch, caplog):
     dev = torch.device("cpu")
     tconfig.configs.cache_clear()
@@ -568,6 +581,11 @@ for bm, bn, bk, warps, stages, pdl in ((16, 32, 256, 4, 4, True), (128, 128, 64,
               dict(tiles, TILES_N=1, PREFETCH_LINES=0, LINE_ELEMS=64, WAIT=True), warps, stages)
         build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf},
               dict(SLOTS=8, HAS_EXTRA=False, BLOCK_H=1024, PDL=True, ZERO_DONE=True))
+        # the default decode-sized shapes (kernels_triton.moe.config.heuristic)
+        build(X._gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf},
+              dict(tiles, BLOCK_N=64, BLOCK_K=128, SIGNAL=True), 4, 4)
+        build(X._down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weights_ptr": f32, "y_ptr": bf},
+              dict(tiles, BLOCK_N=128, BLOCK_K=256, TILES_N=1, PREFETCH_LINES=0, LINE_ELEMS=64, WAIT=True), 4, 2)
 build(R._router_logits_kernel, router, dict(HAS_GATE=True, BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, IEEE=False, PDL=True))
 build(A._route_align_kernel, logits, dict(route, ROWS=8, HAS_MAP=False, N_PAD=16, G_PAD=512, BLOCK_M=16, PDL=True))
 build(X._combine_kernel, {"y_ptr": bf, "extra_ptr": bf, "out_ptr": bf}, dict(SLOTS=11, HAS_EXTRA=False, BLOCK_H=1024,

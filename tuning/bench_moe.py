@@ -52,7 +52,7 @@ SHARED_BREAKDOWN_MAX_M = 16
 TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
 # (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates; the heuristic's pick is always added
 SMALL_UP = [(32, 256, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 6), (64, 256, 4, 3)]
-SMALL_DOWN = [(64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 5)]
+SMALL_DOWN = [(64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 5), (128, 256, 4, 2)]
 # large tiles: at M >= 4096 the GEMMs are L2-bound with 64-row tiles, so mostly 128 x 256 (outputs) candidates
 LARGE_UP = [(128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 64, 4, 4)]
 LARGE_DOWN = [(256, 64, 8, 4), (256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 128, 8, 2),

@@ -16,8 +16,14 @@ read off the first H200 sweep (``tuning/notes_moe.md``):
   once), 64 up to 32, else 128 (its short last blocks run shorter tiles, ``experts.sub_levels``;
   with them 128-row blocks beat 64-row ones from ~40 slots per expert: H200, gate_up + down, 35B
   M=2048 (64 per expert) 504 vs 523 µs, 397B-TP8 M=2048 (40) 527 vs 575 µs).
-- ``BLOCK_M = 16`` streams weights: gate_up ``BLOCK_N`` 32 x ``BLOCK_K`` 256 at ``M <= 16``
-  (many programs), else 64 x 128; down 128 x 64, 5 stages; 4 warps.
+- ``BLOCK_M = 16`` streams weights: gate_up ``BLOCK_N`` 64 x ``BLOCK_K`` 128, 4 stages, except at ``M <= 16``
+  when that gives fewer than 64 programs (~``M * k * I / 64``): then 32 x 256 (more programs); down 128 x 256,
+  2 stages, at ``M <= 16`` (where the down launch waits block by block, ``experts.block_wait_default``), else
+  128 x 64, 5 stages; 4 warps. H200, whole block by graph replay, 8 batches cycled, µs
+  (``moe_cfg_block_wait_b_s17_nvidia_h200.json``, against the tuned entries of the time): 35B-A3B M=2 40.8 -> 38.8,
+  M=16 161.5 -> 159.0; 397B-TP8 M=8 79.0 -> 72.3, M=16 134.0 -> 119.5; 397B-TP4 M=16 227.2 -> 215.5; 122B-A10B
+  within 2. The earlier heuristic (32 x 256 / 128 x 64 at these sizes) took 181.1 µs at 35B M=16 and 474.4 at 122B
+  M=16 (``moe_cfg_default_vs_old_s17_nvidia_h200.json``). The H200's tuned files carry these shapes as entries.
 - ``BLOCK_M = 64``: 128 x 64 tiles, 4 warps, 4 stages, both GEMMs.
 - ``BLOCK_M = 128``: gate_up 128 x 64 (two accumulators), down 256 x 64, both 8 warps and 4
   stages (the 35B sweep at 16384 tokens: 1.11 + 0.72 ms vs 1.23 + 0.76 with 3 stages; the
@@ -70,13 +76,20 @@ def block_m_for(M: int, top_k: int, E: int) -> int:
     return 64 if per_expert <= 32 else 128
 
 
+SMALL_M = 16  # token counts whose BLOCK_M = 16 configs differ (see the module docstring)
+MIN_GATE_UP_PROGRAMS = 64  # below this many 64-wide gate_up programs at SMALL_M tokens, 32-wide ones
+
+
 def heuristic(which: str, M: int, top_k: int, E: int, N: int, K: int) -> GemmConfig:
     """The documented fallback config for ``which`` in ('gate_up', 'down')."""
     bm = block_m_for(M, top_k, E)
     n_cols = N // 2 if which == "gate_up" else N
     if bm == 16:
-        bn, bk, warps, stages = ((32, 256, 4, 4) if M <= 16 else (64, 128, 4, 4)) if which == "gate_up" else (
-            128, 64, 4, 5)
+        if which == "gate_up":
+            few = M <= SMALL_M and min(M * top_k, E) * -(-n_cols // 64) < MIN_GATE_UP_PROGRAMS
+            bn, bk, warps, stages = (32, 256, 4, 4) if few else (64, 128, 4, 4)
+        else:
+            bn, bk, warps, stages = (128, 256, 4, 2) if M <= SMALL_M else (128, 64, 4, 5)
     elif bm == 64:
         bn, bk, warps, stages = 128, 64, 4, 4
     else:
