@@ -61,7 +61,7 @@ def arrival_counter(device: torch.device) -> torch.Tensor:
 
 def block_counters(device: torch.device) -> torch.Tensor:
     """This thread's BLOCK_COUNTERS zeroed int32 counters on ``device``, one per block of a launch whose programs
-    signal a later launch's programs block by block (:func:`signal` / :func:`wait_and_release`); same rules as the
+    signal a later launch's programs block by block (:func:`signal` / :func:`wait_for`); same rules as the
     arrival counter (module docstring), and every user leaves them zero again."""
     return _zeroed(device, f"{device}/blocks", BLOCK_COUNTERS)
 

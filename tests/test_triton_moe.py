@@ -274,6 +274,32 @@ def test_block_wait_gives_the_same_bits_and_leaves_the_counters_zero(shared):
         texperts.gate_up(x, w13, shared_args[0], al, slots, up_cfg, done=done[:1])
 
 
+def test_block_counters_are_zeroed_when_a_launch_after_gate_up_fails(monkeypatch):
+    """If the down or combine launch never happens after the gate_up launch signalled the block counters (an error
+    in between), the counters are put back to zero: the next call's down programs must not see a stale count."""
+    from kernels_triton.moe import experts as texperts
+    from kernels_triton.moe import ops as tops
+
+    gen = torch.Generator().manual_seed(13)
+    E, k, H, I, M = 8, 2, 64, 32, 5
+    w13, w2 = _experts(gen, E, H, I, torch.float16)
+    x = _rnd(gen, M, H, dtype=torch.float16)
+    weights, ids = ref.moe_route(torch.randn(M, E, generator=gen), k)
+    weights, ids = weights.to(DEVICE).float().contiguous(), ids.to(DEVICE)
+    cfgs = tconfig.configs(M, k, E, H, I, x.dtype, x.device)
+    al = talign.align(ids, n_local=E, block_m=cfgs[0].BLOCK_M)
+    monkeypatch.setattr(texperts, "block_wait_default", lambda pdl, al, m: True)
+
+    def failing_down(*args, **kwargs):
+        raise RuntimeError("down failed")
+
+    monkeypatch.setattr(texperts, "down", failing_down)
+    counters = texperts.block_wait_counters(torch.device(DEVICE))
+    with pytest.raises(RuntimeError, match="down failed"):
+        tops._run_experts(x, w13, w2, weights, al, cfgs)
+    assert not counters.any()
+
+
 def test_skewed_routing_and_experts_with_zero_tokens():
     gen = torch.Generator().manual_seed(3)
     E, k, H, I, M = 8, 3, 64, 48, 40  # I = 48: BLOCK_N does not divide it (masked columns)

@@ -42,10 +42,15 @@ def _run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     """gate_up -> down -> combine over aligned picks (the shared expert is the last pick when ``shared``)."""
     shared_w13, shared_w2 = shared if shared is not None else (None, None)
     done = _experts.block_wait_counters(x.device) if _experts.block_wait_default(pdl, al, x.shape[0]) else None
-    h = _experts.gate_up(x, w13, shared_w13, al, weights.shape[1], cfgs[0], pdl=pdl, done=done)
-    y = _experts.down(h, w2, shared_w2, al, weights, cfgs[1], pdl=pdl, done=done,
-                      up_tiles=_routing.cdiv(w2.shape[2], cfgs[0].BLOCK_N))
-    return _experts.combine(y, al, x.shape[0], weights.shape[1], extra, pdl=pdl, done=done)
+    try:
+        h = _experts.gate_up(x, w13, shared_w13, al, weights.shape[1], cfgs[0], pdl=pdl, done=done)
+        y = _experts.down(h, w2, shared_w2, al, weights, cfgs[1], pdl=pdl, done=done,
+                          up_tiles=_routing.cdiv(w2.shape[2], cfgs[0].BLOCK_N))
+        return _experts.combine(y, al, x.shape[0], weights.shape[1], extra, pdl=pdl, done=done)
+    except BaseException:
+        if done is not None:  # a launch that ran signalled them and the combine did not run: the next call starts
+            done.zero_()  # from zero (stream order puts this after whatever was launched)
+        raise
 
 
 def moe_experts(
