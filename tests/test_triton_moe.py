@@ -22,7 +22,7 @@ from helpers import assert_builds, assert_close, rel_err  # noqa: E402
 
 from kernels_triton import _config  # noqa: E402
 from kernels_triton import moe as tmoe  # noqa: E402
-from kernels_triton._arrival import arrival_counter  # noqa: E402
+from kernels_triton._arrival import arrival_counter, block_counters  # noqa: E402
 from kernels_triton.moe import align as talign  # noqa: E402
 from kernels_triton.moe import config as tconfig  # noqa: E402
 from qwen35 import ops  # noqa: E402
@@ -256,7 +256,7 @@ def test_block_wait_gives_the_same_bits_and_leaves_the_counters_zero(shared):
     shared_args = (sw13[0], sw2[0]) if shared else (None, None)
     h = texperts.gate_up(x, w13, shared_args[0], al, slots, up_cfg)
     want = texperts.down(h, w2, shared_args[1], al, weights, down_cfg)
-    done = texperts.block_wait_counters(torch.device(DEVICE))
+    done = block_counters(torch.device(DEVICE))
     assert done.numel() >= al.max_blocks and not done.any()
     for _ in range(2):
         h2 = texperts.gate_up(x, w13, shared_args[0], al, slots, up_cfg, done=done)
@@ -294,7 +294,7 @@ def test_block_counters_are_zeroed_when_a_launch_after_gate_up_fails(monkeypatch
         raise RuntimeError("down failed")
 
     monkeypatch.setattr(texperts, "down", failing_down)
-    counters = texperts.block_wait_counters(torch.device(DEVICE))
+    counters = block_counters(torch.device(DEVICE))
     with pytest.raises(RuntimeError, match="down failed"):
         tops._run_experts(x, w13, w2, weights, al, cfgs)
     assert not counters.any()

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 
-from kernels_triton._arrival import BLOCK_COUNTERS, block_counters, signal, wait_for
+from kernels_triton._arrival import BLOCK_COUNTERS, signal, wait_for
 from kernels_triton._launch import DirectLauncher, ensure_scratch_allocator
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.align import Alignment
@@ -403,8 +403,9 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None,
 
     ``sub``: tile-halving levels for a group's last block (default :func:`sub_levels`). ``tma``: weight tiles
     through tensor descriptors (default :func:`tma_default`); the same bits either way up to the MMA order.
-    ``done``: block counters (:func:`block_wait_counters`) each program signals when its tile of ``h`` is stored;
-    the :func:`down` launch that follows must then wait on them, and the :func:`combine` after it zero them."""
+    ``done``: block counters (``kernels_triton._arrival.block_counters``) each program signals when its tile of
+    ``h`` is stored; the :func:`down` launch that follows must then wait on them, and the :func:`combine` after it
+    zero them."""
     H, I = x.shape[1], w13.shape[1] // 2
     tma = _use_tma("gate_up", tma, x, cfg, H, I, x.shape[0] * slots / al.n_groups)
     h = torch.empty(al.max_blocks * al.block_m, I, dtype=x.dtype, device=x.device)
@@ -493,11 +494,6 @@ def block_wait_default(pdl: bool, al: Alignment, M: int) -> bool:
         return False
     env = _pdl.env_choice(BLOCK_WAIT_ENV)
     return M <= BLOCK_WAIT_MAX_TOKENS if env is None else env
-
-
-def block_wait_counters(device: torch.device) -> torch.Tensor:
-    """The zeroed per-block counters a gate_up launch signals and the down launch after it waits on."""
-    return block_counters(device)
 
 
 def _check_counters(done: torch.Tensor | None, al: Alignment) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels_triton._arrival import block_counters
 from kernels_triton.moe import align as _align
 from kernels_triton.moe import config as _config
 from kernels_triton.moe import decode as _decode
@@ -41,7 +42,7 @@ def _run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
                  extra: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """gate_up -> down -> combine over aligned picks (the shared expert is the last pick when ``shared``)."""
     shared_w13, shared_w2 = shared if shared is not None else (None, None)
-    done = _experts.block_wait_counters(x.device) if _experts.block_wait_default(pdl, al, x.shape[0]) else None
+    done = block_counters(x.device) if _experts.block_wait_default(pdl, al, x.shape[0]) else None
     try:
         h = _experts.gate_up(x, w13, shared_w13, al, weights.shape[1], cfgs[0], pdl=pdl, done=done)
         y = _experts.down(h, w2, shared_w2, al, weights, cfgs[1], pdl=pdl, done=done,
