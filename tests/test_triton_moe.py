@@ -483,14 +483,17 @@ def test_router_split_heuristic():
 
 
 def test_one_token_config_heuristic():
-    """Launch shapes: gate_up one column per program in 512-wide steps, down 8 columns in 64-wide steps; narrower
-    where the model is."""
+    """Launch shapes: gate_up one column per program in 512-wide steps; down 8 columns in 64-wide steps, or up to H =
+    2048 and I = 512 4 columns in one step loaded before the PDL wait; narrower where the model is."""
     from kernels_triton.moe.decode import decode_config
 
-    c35 = decode_config(2048, 512)  # 35B-A3B
-    assert (c35.UP_N, c35.UP_K, c35.UP_WARPS, c35.DOWN_N, c35.DOWN_K, c35.DOWN_WARPS) == (1, 512, 2, 8, 64, 8)
+    c35 = decode_config(2048, 512)  # 35B-A3B: down loads its weights before the PDL wait, 4 columns per program
+    assert (c35.UP_N, c35.UP_K, c35.UP_WARPS, c35.DOWN_N, c35.DOWN_WARPS, c35.DOWN_EARLY) == (1, 512, 2, 4, 8, True)
+    tp8 = decode_config(4096, 128)  # 397B-A17B-TP8: the loop over I, 8 columns per program
+    assert (tp8.DOWN_N, tp8.DOWN_K, tp8.DOWN_EARLY) == (8, 64, False)
+    assert not decode_config(3072, 1024).DOWN_EARLY  # 122B-A10B
     tiny = decode_config(64, 32)
-    assert (tiny.UP_K, tiny.DOWN_N, tiny.DOWN_K) == (64, 8, 32)
+    assert (tiny.UP_K, tiny.DOWN_N, tiny.DOWN_K, tiny.DOWN_EARLY) == (64, 4, 32, True)
 
 
 # ----------------------------------------------------------------------------- configs and façade
@@ -635,6 +638,12 @@ for pdl in (True, False):  # one token (kernels_triton.moe.decode)
           dict(HAS_SHARED=True, BLOCK_N=1, BLOCK_K=512, PDL=pdl), 2)
     build(D._decode_down_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weight_ptr": f32, "out_ptr": bf},
           dict(SLOTS=11, SLOTS_PAD=16, HAS_SHARED=True, BLOCK_N=8, BLOCK_K=64, PDL=pdl), 8)
+    # down loading its weights before the PDL wait, behind a gate_up launch that lets it start at once
+    build(D._decode_gate_up_kernel, {"x_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "h_ptr": bf},
+          dict(HAS_SHARED=True, BLOCK_N=1, BLOCK_K=512, TRIGGER=True, PDL=False), 2)
+    build(D._decode_down_early_kernel, {"h_ptr": bf, "w_ptr": bf, "shared_w_ptr": bf, "weight_ptr": f32,
+                                        "out_ptr": bf}, dict(SLOTS=9, SLOTS_PAD=16, HAS_SHARED=True, BLOCK_N=4,
+                                                             I_PAD=512, PDL=pdl), 8)
 print("built")
 '''
 

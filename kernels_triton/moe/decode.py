@@ -58,7 +58,11 @@ def enabled() -> bool:
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch shape of the two expert launches: gate_up ``UP_N`` columns (of gate and of up) x ``UP_K``-wide steps
-    over H, down ``DOWN_N`` output columns x ``DOWN_K``-wide steps over I; warps of each."""
+    over H, down ``DOWN_N`` output columns x ``DOWN_K``-wide steps over I; warps of each.
+
+    ``DOWN_EARLY``: each down program loads its whole ``[slots, DOWN_N, I]`` W2 tile in one step (``DOWN_K``
+    unused) and, where PDL is supported, before waiting for the gate_up launch (which lets it start at once), so the
+    down weights stream beside the gate_up's."""
 
     UP_N: int
     UP_K: int
@@ -66,6 +70,7 @@ class DecodeConfig:
     DOWN_N: int
     DOWN_K: int
     DOWN_WARPS: int
+    DOWN_EARLY: bool = False
 
 
 @functools.lru_cache(maxsize=256)
@@ -74,9 +79,14 @@ def decode_config(H: int, I: int) -> DecodeConfig:
     gate_up one column (one gate row and one up row) per program in 512-wide steps with 2 warps -- thousands of
     small programs, so every SM streams about the same number of rows (4 columns per program: 35B 30.3 µs against
     28.4, TP8 38.9 against 27.7); down 8 columns per program in 64-wide steps over every slot at once, 8 warps.
-    Narrower where H or I is."""
-    return DecodeConfig(UP_N=1, UP_K=min(512, pow2(H, 16)), UP_WARPS=2, DOWN_N=min(8, pow2(H)),
-                        DOWN_K=min(64, pow2(I, 16)), DOWN_WARPS=8)
+    Narrower where H or I is.
+
+    Up to H = 2048 and I = 512 (35B-A3B), down loads its weights before the PDL wait (``DOWN_EARLY``, 4 columns
+    per program): 25.1 -> 23.2 µs at 35B-A3B, + shared expert 26.9 -> 25.7; within 0.4 µs at 397B-A17B-TP8 and 0.5-2
+    µs slower at TP4, 4-8 slower at 122B-A10B (registers; tuning/results/moe_decode_w2_s18_nvidia_h200.json)."""
+    early = H <= 2048 and I <= 512
+    return DecodeConfig(UP_N=1, UP_K=min(512, pow2(H, 16)), UP_WARPS=2, DOWN_N=min(4 if early else 8, pow2(H)),
+                        DOWN_K=min(64, pow2(I, 16)), DOWN_WARPS=8, DOWN_EARLY=early)
 
 
 @triton.jit
@@ -121,10 +131,11 @@ def _decode_router_kernel(x_ptr, w_ptr, gate_w_ptr, logits_ptr, gate_ptr, count_
 @triton.jit
 def _decode_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, h_ptr, group_ptr, H, I, E_LOCAL,
                            HAS_SHARED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PDL: tl.constexpr = False):
+                           TRIGGER: tl.constexpr = False, PDL: tl.constexpr = False):
     """Slot ``program_id(0)``'s ``h`` columns ``program_id(1) * BLOCK_N ..`` (group from the router launch): a GEMV
-    over H."""
+    over H. ``TRIGGER``: let the down launch start now (its PDL wait still waits for this whole launch)."""
     _pdl.enter(PDL)
+    _pdl.let_next_start(TRIGGER)
     j = tl.program_id(0)
     tile = tl.program_id(1)
     group = tl.load(group_ptr + j)
@@ -180,10 +191,38 @@ def _decode_down_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_p
     tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
 
 
+@triton.jit
+def _decode_down_early_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_ptr, H, I, E_LOCAL,
+                              SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
+                              BLOCK_N: tl.constexpr, I_PAD: tl.constexpr, PDL: tl.constexpr = False):
+    """As :func:`_decode_down_kernel` in one step over all of I, the W2 tile loaded before the PDL wait: the groups
+    come from the router launch, two launches back and complete once any program of this launch runs (each gate_up
+    program lets this launch start only after its own wait, or without PDL after the router launch ended)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slot = tl.arange(0, SLOTS_PAD)
+    group = tl.load(group_ptr + slot, mask=slot < SLOTS, other=-1, cache_modifier=".cg")
+    kept = group >= 0
+    base = w_ptr + tl.maximum(group, 0).to(tl.int64) * H * I
+    if HAS_SHARED:
+        base = tl.where(group == E_LOCAL, shared_w_ptr + 0 * group, base)
+    ks = tl.arange(0, I_PAD)
+    k_ok = ks < I
+    wt = tl.load(base[:, None, None] + cols[None, :, None] * I + ks[None, None, :],
+                 mask=kept[:, None, None] & (cols < H)[None, :, None] & k_ok[None, None, :], other=0.0)
+    _pdl.enter(PDL)
+    hk = tl.load(h_ptr + slot[:, None] * I + ks[None, :], mask=kept[:, None] & k_ok[None, :], other=0.0,
+                 cache_modifier=".cg")
+    acc = tl.sum(wt.to(tl.float32) * hk.to(tl.float32)[:, None, :], axis=2)
+    weight = tl.load(weight_ptr + slot, mask=kept, other=0.0, cache_modifier=".cg")
+    total = tl.sum(tl.where(kept[:, None], acc * weight[:, None], 0.0), axis=0)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
 # launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
 _launch_router = DirectLauncher(_decode_router_kernel)
 _launch_gate_up = DirectLauncher(_decode_gate_up_kernel)
 _launch_down = DirectLauncher(_decode_down_kernel)
+_launch_down_early = DirectLauncher(_decode_down_early_kernel)
 
 
 def route_one(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, *, n_local: int,
@@ -210,14 +249,15 @@ def route_one(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormal
 
 
 def gate_up_one(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None, groups: torch.Tensor,
-                cfg: DecodeConfig, pdl: bool = False) -> torch.Tensor:
-    """``h`` ``[slots, I]`` in x's dtype (dropped slots' rows unwritten)."""
+                cfg: DecodeConfig, pdl: bool = False, trigger: bool = False) -> torch.Tensor:
+    """``h`` ``[slots, I]`` in x's dtype (dropped slots' rows unwritten). ``trigger``: each program lets the next
+    launch (with PDL) start at once."""
     H, (E, I), slots = x.shape[1], (w13.shape[0], w13.shape[1] // 2), groups.shape[0]
     h = torch.empty(slots, I, dtype=x.dtype, device=x.device)
     _launch_gate_up[(slots, cdiv(I, cfg.UP_N))](
         x, w13, shared_w13 if shared_w13 is not None else w13, h, groups, H, I, E,
-        HAS_SHARED=shared_w13 is not None, BLOCK_N=cfg.UP_N, BLOCK_K=cfg.UP_K, PDL=pdl, num_warps=cfg.UP_WARPS,
-        **_pdl.options(pdl))
+        HAS_SHARED=shared_w13 is not None, BLOCK_N=cfg.UP_N, BLOCK_K=cfg.UP_K, TRIGGER=trigger and not pdl, PDL=pdl,
+        num_warps=cfg.UP_WARPS, **_pdl.options(pdl))
     return h
 
 
@@ -226,6 +266,12 @@ def down_one(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, 
     """``[1, H]`` in h's dtype: the slots' down projections weighted and summed (fixed order)."""
     (E, H, I), slots = w2.shape, groups.shape[0]
     out = torch.empty(1, H, dtype=h.dtype, device=h.device)
+    if cfg.DOWN_EARLY:
+        _launch_down_early[(cdiv(H, cfg.DOWN_N),)](
+            h, w2, shared_w2 if shared_w2 is not None else w2, groups, weights, out, H, I, E, SLOTS=slots,
+            SLOTS_PAD=pow2(slots), HAS_SHARED=shared_w2 is not None, BLOCK_N=cfg.DOWN_N, I_PAD=pow2(I, 16),
+            PDL=pdl, num_warps=cfg.DOWN_WARPS, **_pdl.options(pdl))
+        return out
     _launch_down[(cdiv(H, cfg.DOWN_N),)](
         h, w2, shared_w2 if shared_w2 is not None else w2, groups, weights, out, H, I, E, SLOTS=slots,
         SLOTS_PAD=pow2(slots), HAS_SHARED=shared_w2 is not None, BLOCK_N=cfg.DOWN_N, BLOCK_K=cfg.DOWN_K,
@@ -243,5 +289,6 @@ def moe_block_one_token(x: torch.Tensor, router_weight: torch.Tensor, w13: torch
     cfg = cfg or decode_config(x.shape[1], w2.shape[2])
     groups, weights = route_one(x, router_weight, top_k, renormalize, n_local=w13.shape[0], expert_map=expert_map,
                                 gate_weight=shared_gate_weight if shared else None, shared=shared, pdl=pdl)
-    h = gate_up_one(x, w13, shared_w13, groups, cfg, pdl)
-    return down_one(h, w2, shared_w2, groups, weights, cfg, pdl)
+    early = cfg.DOWN_EARLY and _pdl.supported(x.device)
+    h = gate_up_one(x, w13, shared_w13, groups, cfg, pdl, trigger=early)
+    return down_one(h, w2, shared_w2, groups, weights, cfg, pdl or early)

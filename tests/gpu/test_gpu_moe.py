@@ -6,6 +6,8 @@ bit-identical reruns, and a CUDA-graph capture of moe_block (no host synchronisa
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import capture_graph, rel_err
@@ -135,6 +137,26 @@ def test_one_token_decode_path(shape, monkeypatch):
     assert torch.equal(decode.moe_block_one_token(*args, pdl=decode._pdl.enabled(x)), want), "PDL changed bits"
     wide = decode.DecodeConfig(UP_N=4, UP_K=256, UP_WARPS=4, DOWN_N=16, DOWN_K=32, DOWN_WARPS=4)
     assert rel_err(decode.moe_block_one_token(*args, cfg=wide), want.float()) <= 2e-3, "another launch shape"
+    # the down launch loading its weights before its PDL wait (DOWN_EARLY): the loop kernel's values; the same bits
+    # one call at a time, back to back, and replayed from a CUDA graph
+    base = decode.decode_config(H, I)
+    for early in (dataclasses.replace(base, DOWN_EARLY=True, DOWN_N=4), dataclasses.replace(base, DOWN_EARLY=True)):
+        loop = dataclasses.replace(early, DOWN_EARLY=False)
+        xs = [_x(1, H, torch.bfloat16, seed=60 + s) for s in range(16)]
+        alone = []
+        for xi in xs:
+            alone.append(decode.moe_block_one_token(xi, *args[1:], cfg=early))
+            torch.cuda.synchronize()
+            assert rel_err(alone[-1], decode.moe_block_one_token(xi, *args[1:], cfg=loop).float()) <= 2e-3
+        together = [decode.moe_block_one_token(xi, *args[1:], cfg=early) for xi in xs]
+        assert all(torch.equal(a, b) for a, b in zip(alone, together, strict=True)), "back to back differs"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = [decode.moe_block_one_token(xi, *args[1:], cfg=early) for xi in xs]
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(torch.equal(a, b) for a, b in zip(alone, captured, strict=True)), "graph replay differs"
     gen = torch.Generator(device="cuda").manual_seed(E)
     router = torch.randn(2 * E, H, generator=gen, device="cuda").to(torch.bfloat16) * H**-0.5 * 4
     emap = torch.full((2 * E,), -1, dtype=torch.int32, device="cuda")  # 2E global experts, every other one here
