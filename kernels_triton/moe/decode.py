@@ -14,12 +14,16 @@ and a combine. Here three:
   program as a GEMV (fp32 products summed along H, one reduction at the end), ``h`` in the activation dtype.
 - **down** (grid ``column tiles of H``): each program loads every slot's W2 tile at once and sums
   ``weight_j * (h_j W2_j^T)`` over the slots in fp32 (the combine, fused; a fixed-order tree) and stores its columns
-  of the output.
+  of the output. Where :func:`decode_config` says so (35B-A3B's shape), each program loads its W2 tile (all of I)
+  before waiting for the gate_up launch (PDL; the gate_up programs let it start at once): the slots' experts are
+  known from the router launch, so the down weights stream beside the gate_up's and only ``h`` is read after the
+  wait.
 
 Deterministic (fixed orders; the one atomic only elects the program that routes). The output differs from the
 general pipeline's in the last bits (the GEMV's summation order; no rounding of each slot's row to the activation
-dtype before the sum). Programmatic dependent launch only when ``QWEN35_MOE_PDL=1`` asks for it: on the H200 these
-launches were 1.5-7 µs slower with it (tuning/notes_moe.md, session 11).
+dtype before the sum). Programmatic dependent launch on every launch only when ``QWEN35_MOE_PDL=1`` asks for it: on
+the H200 these launches were 1.5-7 µs slower with it (tuning/notes_moe.md, session 11); the early down launch
+above is the exception.
 """
 
 from __future__ import annotations
@@ -61,8 +65,8 @@ class DecodeConfig:
     over H, down ``DOWN_N`` output columns x ``DOWN_K``-wide steps over I; warps of each.
 
     ``DOWN_EARLY``: each down program loads its whole ``[slots, DOWN_N, I]`` W2 tile in one step (``DOWN_K``
-    unused) and, where PDL is supported, before waiting for the gate_up launch (which lets it start at once), so the
-    down weights stream beside the gate_up's."""
+    unused) and, with PDL (sm_90+ unless ``QWEN35_MOE_PDL=0``), before waiting for the gate_up launch, whose programs
+    let it start at once: the down weights stream beside the gate_up's."""
 
     UP_N: int
     UP_K: int
@@ -289,6 +293,6 @@ def moe_block_one_token(x: torch.Tensor, router_weight: torch.Tensor, w13: torch
     cfg = cfg or decode_config(x.shape[1], w2.shape[2])
     groups, weights = route_one(x, router_weight, top_k, renormalize, n_local=w13.shape[0], expert_map=expert_map,
                                 gate_weight=shared_gate_weight if shared else None, shared=shared, pdl=pdl)
-    early = cfg.DOWN_EARLY and _pdl.supported(x.device)
+    early = cfg.DOWN_EARLY and _pdl.enabled(x)  # sm_90+, unless QWEN35_MOE_PDL=0
     h = gate_up_one(x, w13, shared_w13, groups, cfg, pdl, trigger=early)
     return down_one(h, w2, shared_w2, groups, weights, cfg, pdl or early)
