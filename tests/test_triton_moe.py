@@ -492,6 +492,8 @@ def test_one_token_config_heuristic():
     tp8 = decode_config(4096, 128)  # 397B-A17B-TP8: the loop over I, 8 columns per program
     assert (tp8.DOWN_N, tp8.DOWN_K, tp8.DOWN_EARLY) == (8, 64, False)
     assert not decode_config(3072, 1024).DOWN_EARLY  # 122B-A10B
+    assert decode_config(2048, 512, 9).DOWN_EARLY  # 8 routed + the shared expert: a 16 x 4 x 512 tile
+    assert not decode_config(2048, 512, 17).DOWN_EARLY  # 16 routed + shared: twice that, the loop over I
     tiny = decode_config(64, 32)
     assert (tiny.UP_K, tiny.DOWN_N, tiny.DOWN_K, tiny.DOWN_EARLY) == (64, 4, 32, True)
 

@@ -77,8 +77,11 @@ class DecodeConfig:
     DOWN_EARLY: bool = False
 
 
+EARLY_TILE_MAX = 32768  # elements of one early down program's W2 tile (35B-A3B with the shared expert: 16 x 4 x 512)
+
+
 @functools.lru_cache(maxsize=256)
-def decode_config(H: int, I: int) -> DecodeConfig:
+def decode_config(H: int, I: int, slots: int | None = None) -> DecodeConfig:
     """From the H200 sweeps (tuning/results/moe_decode_s11_nvidia_h200.json, whole block, 35B-A3B and 397B-A17B-TP8):
     gate_up one column (one gate row and one up row) per program in 512-wide steps with 2 warps -- thousands of
     small programs, so every SM streams about the same number of rows (4 columns per program: 35B 30.3 µs against
@@ -86,9 +89,11 @@ def decode_config(H: int, I: int) -> DecodeConfig:
     Narrower where H or I is.
 
     Up to H = 2048 and I = 512 (35B-A3B), down loads its weights before the PDL wait (``DOWN_EARLY``, 4 columns
-    per program): 25.1 -> 23.2 µs at 35B-A3B, + shared expert 26.9 -> 25.7; within 0.4 µs at 397B-A17B-TP8 and 0.5-2
-    µs slower at TP4, 4-8 slower at 122B-A10B (registers; tuning/results/moe_decode_w2_s18_nvidia_h200.json)."""
-    early = H <= 2048 and I <= 512
+    per program): 25.1 -> 22.8-23.3 µs at 35B-A3B, + shared expert 26.9 -> 25.0-25.7 (8 tokens cycled); a wash at
+    397B-A17B-TP8, 1-2 µs slower at TP4 and 4-8 at 122B-A10B (tuning/results/moe_decode_w2_s18_nvidia_h200.json and
+    the _w2_b_ / _up_ files). ``slots`` (routed + shared, when known): no early loads where one program's tile would
+    pass ``EARLY_TILE_MAX`` elements (more picks than were measured; the loop over I keeps registers bounded)."""
+    early = H <= 2048 and I <= 512 and (slots is None or pow2(slots) * min(4, pow2(H)) * pow2(I, 16) <= EARLY_TILE_MAX)
     return DecodeConfig(UP_N=1, UP_K=min(512, pow2(H, 16)), UP_WARPS=2, DOWN_N=min(4 if early else 8, pow2(H)),
                         DOWN_K=min(64, pow2(I, 16)), DOWN_WARPS=8, DOWN_EARLY=early)
 
@@ -290,7 +295,7 @@ def moe_block_one_token(x: torch.Tensor, router_weight: torch.Tensor, w13: torch
     """:func:`kernels_triton.moe.ops.moe_block` for ``x`` ``[1, H]``, the shared expert (if any) as wide as the
     routed ones (the caller checks). ``cfg``: launch shape (default :func:`decode_config`)."""
     shared = shared_w13 is not None
-    cfg = cfg or decode_config(x.shape[1], w2.shape[2])
+    cfg = cfg or decode_config(x.shape[1], w2.shape[2], top_k + int(shared))
     groups, weights = route_one(x, router_weight, top_k, renormalize, n_local=w13.shape[0], expert_map=expert_map,
                                 gate_weight=shared_gate_weight if shared else None, shared=shared, pdl=pdl)
     early = cfg.DOWN_EARLY and _pdl.enabled(x)  # sm_90+, unless QWEN35_MOE_PDL=0
