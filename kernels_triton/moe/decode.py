@@ -172,6 +172,28 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, h_ptr, group_ptr, H, I, E
 
 
 @triton.jit
+def _slot_weights(w_ptr, shared_w_ptr, group_ptr, H, I, E_LOCAL, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr,
+                  HAS_SHARED: tl.constexpr, CACHE: tl.constexpr):
+    """(slot ids ``[SLOTS_PAD]``, whether each is kept, the base of each slot's W2 ``[H, I]``) from the router
+    launch's groups (dropped and padding slots: not kept). ``CACHE``: the groups' load cache modifier."""
+    slot = tl.arange(0, SLOTS_PAD)
+    group = tl.load(group_ptr + slot, mask=slot < SLOTS, other=-1, cache_modifier=CACHE)
+    kept = group >= 0
+    base = w_ptr + tl.maximum(group, 0).to(tl.int64) * H * I
+    if HAS_SHARED:
+        base = tl.where(group == E_LOCAL, shared_w_ptr + 0 * group, base)
+    return slot, kept, base
+
+
+@triton.jit
+def _store_weighted_sum(acc, weight_ptr, out_ptr, slot, kept, cols, H, CACHE: tl.constexpr):
+    """Store ``sum_j weight_j * acc[j]`` over the kept slots (a fixed-order fp32 tree) to ``out[cols]``."""
+    weight = tl.load(weight_ptr + slot, mask=kept, other=0.0, cache_modifier=CACHE)
+    total = tl.sum(tl.where(kept[:, None], acc * weight[:, None], 0.0), axis=0)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < H)
+
+
+@triton.jit
 def _decode_down_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_ptr, H, I, E_LOCAL,
                         SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
@@ -180,12 +202,7 @@ def _decode_down_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_p
     over the slots was 1.0-3.2 µs slower on the H200), the slots' weighted sum is a fixed-order tree in fp32."""
     _pdl.enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.arange(0, SLOTS_PAD)
-    group = tl.load(group_ptr + slot, mask=slot < SLOTS, other=-1)
-    kept = group >= 0
-    base = w_ptr + tl.maximum(group, 0).to(tl.int64) * H * I
-    if HAS_SHARED:
-        base = tl.where(group == E_LOCAL, shared_w_ptr + 0 * group, base)
+    slot, kept, base = _slot_weights(w_ptr, shared_w_ptr, group_ptr, H, I, E_LOCAL, SLOTS, SLOTS_PAD, HAS_SHARED, "")
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < H
     acc = tl.zeros((SLOTS_PAD, BLOCK_N), dtype=tl.float32)
@@ -195,9 +212,7 @@ def _decode_down_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_p
         wt = tl.load(base[:, None, None] + cols[None, :, None] * I + (k0 + ks)[None, None, :],
                      mask=kept[:, None, None] & col_ok[None, :, None] & k_ok[None, None, :], other=0.0)
         acc += tl.sum(wt.to(tl.float32) * hk.to(tl.float32)[:, None, :], axis=2)
-    weight = tl.load(weight_ptr + slot, mask=kept, other=0.0)
-    total = tl.sum(tl.where(kept[:, None], acc * weight[:, None], 0.0), axis=0)
-    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+    _store_weighted_sum(acc, weight_ptr, out_ptr, slot, kept, cols, H, "")
 
 
 @triton.jit
@@ -208,12 +223,8 @@ def _decode_down_early_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr,
     come from the router launch, two launches back and complete once any program of this launch runs (each gate_up
     program lets this launch start only after its own wait, or without PDL after the router launch ended)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slot = tl.arange(0, SLOTS_PAD)
-    group = tl.load(group_ptr + slot, mask=slot < SLOTS, other=-1, cache_modifier=".cg")
-    kept = group >= 0
-    base = w_ptr + tl.maximum(group, 0).to(tl.int64) * H * I
-    if HAS_SHARED:
-        base = tl.where(group == E_LOCAL, shared_w_ptr + 0 * group, base)
+    slot, kept, base = _slot_weights(w_ptr, shared_w_ptr, group_ptr, H, I, E_LOCAL, SLOTS, SLOTS_PAD, HAS_SHARED,
+                                     ".cg")
     ks = tl.arange(0, I_PAD)
     k_ok = ks < I
     wt = tl.load(base[:, None, None] + cols[None, :, None] * I + ks[None, None, :],
@@ -222,9 +233,7 @@ def _decode_down_early_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr,
     hk = tl.load(h_ptr + slot[:, None] * I + ks[None, :], mask=kept[:, None] & k_ok[None, :], other=0.0,
                  cache_modifier=".cg")
     acc = tl.sum(wt.to(tl.float32) * hk.to(tl.float32)[:, None, :], axis=2)
-    weight = tl.load(weight_ptr + slot, mask=kept, other=0.0, cache_modifier=".cg")
-    total = tl.sum(tl.where(kept[:, None], acc * weight[:, None], 0.0), axis=0)
-    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=cols < H)
+    _store_weighted_sum(acc, weight_ptr, out_ptr, slot, kept, cols, H, ".cg")
 
 
 # launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
