@@ -122,8 +122,12 @@ def test_direct_launcher_by_name_call_form(faked, monkeypatch):
     assert direct_calls[-1] == (4, 2, 1, STREAM, "fn", "meta", None, None, None, buf.data_ptr(), 5, 16, True)
     launcher[(1,)](buf, 5, BLOCK=16, FLAG=False, num_warps=4)  # another constexpr: compiled anew
     assert len(jit_calls) == 2 and jit_calls[-1][1] == (buf, 5, 16, False)
+    launcher[(2,)](buf, 5, num_warps=4, FLAG=False, BLOCK=16)  # the same call with its keywords in another order
+    assert launcher.hits == 2 and direct_calls[-1][-3:] == (5, 16, False)
     with pytest.raises(TypeError, match="BLOCK"):
+        launcher[(1,)](buf, 5, num_warps=4)
+    with pytest.raises(TypeError, match="BLOCK"):  # a failed call form is not remembered
         launcher[(1,)](buf, 5, num_warps=4)
     monkeypatch.setattr(_launch, "ENABLED", False)
     launcher[(4, 2)](buf, 5, BLOCK=16, num_warps=4)
-    assert len(jit_calls) == 3 and launcher.hits == 1
+    assert len(jit_calls) == 3 and launcher.hits == 2

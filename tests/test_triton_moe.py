@@ -684,6 +684,43 @@ def test_alignment_buffers_are_16_byte_aligned_at_every_token_count():
             assert all(t.data_ptr() % 16 == 0 for t in parts), (n, G)
 
 
+@pytest.mark.parametrize("M,top_k,shared,gate", [(1, 8, False, False), (5, 3, True, True), (40, 8, True, False),
+                                                  (300, 10, False, True)])
+def test_route_scratch_parts_are_disjoint_aligned_and_sized(M, top_k, shared, gate):
+    """moe_block's per-call buffers in one allocation (kernels_triton.moe.align.route_scratch): every part starts
+    16-byte aligned, none overlaps another, each has its size; the chunk tables where routing takes the chunked
+    launches, the group bases where one launch aligns. Not kept off CUDA devices (kernels_triton._kept)."""
+    from kernels_triton import _kept
+    from kernels_triton.moe import routing as trouting
+
+    E, n_splits, n_local, block_m = 24, 3, 20, 16
+    sc = talign.route_scratch(M, E, n_splits, top_k, gate=gate, shared=shared, n_local=n_local, block_m=block_m,
+                              device=torch.device("cpu"))
+    slots = top_k + int(shared)
+    al = sc.al
+    parts = [sc.logits, sc.weights, sc.ids, al.sorted_slots, al.block_group, al.group_start, al.group_count,
+             al.total_blocks, al.slot_group]
+    parts += [sc.gate_part] if gate else []
+    chunked = M * top_k > talign.ALIGN_LAST_MAX_SLOTS
+    assert (sc.counts is not None) == chunked and (sc.base is None) == chunked
+    parts += list(sc.counts) if chunked else [sc.base]
+    assert sc.logits.shape == (n_splits, M, E) and sc.logits.dtype == torch.float32
+    assert sc.weights.shape == (M, slots) and sc.weights.dtype == torch.float32 and sc.ids.shape == (M, slots)
+    assert al.slot_group.numel() == M * slots and al.n_groups == n_local + int(shared)
+    if gate:  # where router_logits and gate_logits expect the gate partials: right after the logits
+        assert sc.gate_part.shape == (n_splits, M)
+        assert sc.gate_part.data_ptr() == trouting.gate_logits(sc.logits, n_splits).data_ptr()
+    else:
+        assert sc.gate_part is sc.logits
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
+    assert all(a % 16 == 0 for a, _ in spans)
+    assert all(end <= start for (_, end), (start, _) in zip(spans[:-1], spans[1:], strict=True)), "parts overlap"
+    again = talign.route_scratch(M, E, n_splits, top_k, gate=gate, shared=shared, n_local=n_local, block_m=block_m,
+                                 device=torch.device("cpu"))
+    assert again.logits.data_ptr() != sc.logits.data_ptr(), "kept off a CUDA device"
+    assert _kept.kept("x", 4, torch.int32, torch.device("cpu")) is None
+
+
 def test_programmatic_dependent_launch_is_for_gpus_only(monkeypatch):
     """PDL (decode-sized batches by default, every size with QWEN35_MOE_PDL=1) is for CUDA devices of sm_90+ only;
     never on the CPU (the interpreter has no griddepcontrol), so these tests run the ordinary launches whatever the

@@ -60,6 +60,7 @@ import triton.language as tl
 
 from kernels_triton import _config
 from kernels_triton._config import device_facts
+from kernels_triton._kept import kept
 from kernels_triton._launch import DirectLauncher
 
 CHUNK = 64  # tokens per chunk; the kernels are written for 16 <= C <= 64 (inverse by 16-row blocks)
@@ -1153,23 +1154,12 @@ def _state_io(initial_state: torch.Tensor | None, state_pool: torch.Tensor | Non
     return initial_state, final, final
 
 
-_single_ws: dict[tuple, torch.Tensor] = {}
-
-
 def _single_workspace(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The single-launch path's workspace (T <= CHUNK: at most a few MB): one buffer per device, stream and dtype,
-    kept between calls -- calls on one stream run one after another, so they can share it, and a call saves an
-    allocation (1-4 µs on the H200's hosts, of 30-55 per short prefill). A buffer replaced when it grows goes back to
-    torch's allocator for its stream, so nothing still queued there is disturbed. Under a CUDA-graph capture a new
-    allocation, the graph's own (a kept buffer can be replaced, which a graph must not see)."""
-    if device.type != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
-        return torch.empty(numel, dtype=dtype, device=device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    key = (index, torch._C._cuda_getCurrentRawStream(index), dtype)
-    ws = _single_ws.get(key)
-    if ws is None or ws.numel() < numel:
-        ws = _single_ws[key] = torch.empty(numel, dtype=dtype, device=device)
-    return ws
+    """The single-launch path's workspace (T <= CHUNK: at most a few MB): one buffer per thread, device, stream and
+    dtype, kept between calls (:func:`kernels_triton._kept.kept`) -- a call saves an allocation (1-4 µs on the H200's
+    hosts, of 30-55 per short prefill). Under a CUDA-graph capture a new allocation, the graph's own."""
+    record = kept("gdn_single", numel, dtype, device)
+    return torch.empty(numel, dtype=dtype, device=device) if record is None else record.buffer
 
 
 def gdn_chunk_prefill(

@@ -40,6 +40,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._arrival import arrival_counter, last_to_arrive
+from kernels_triton._kept import kept
 from kernels_triton._launch import DirectLauncher, aligned16
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.routing import _route_tile, cdiv, gate_logits, pow2, route_launch_params, route_warps
@@ -272,12 +273,24 @@ def max_blocks_for(n: int, n_groups: int, block_m: int) -> int:
     return max(1, min(n, cdiv(n, block_m) + n_groups))
 
 
-def _outputs(n: int, G: int, block_m: int, dev) -> Alignment:  # noqa: ANN001
+def _alignment_sizes(n: int, G: int, block_m: int) -> tuple[int, ...]:
+    """Elements of the Alignment's int32 tensors, in field order."""
     max_blocks = max_blocks_for(n, G, block_m)
-    sizes = [max_blocks * block_m, max_blocks, G, G, 1, max(n, 1)]
-    ints = torch.empty(sum(aligned16(k) for k in sizes), dtype=torch.int32, device=dev)
-    parts = [p[:k] for p, k in zip(torch.split(ints, [aligned16(k) for k in sizes]), sizes, strict=True)]
-    return Alignment(*parts, block_m=block_m, max_blocks=max_blocks, n_groups=G)
+    return max_blocks * block_m, max_blocks, G, G, 1, max(n, 1)
+
+
+def _alignment_in(ints: torch.Tensor, offset: int, n: int, G: int, block_m: int) -> Alignment:
+    """The Alignment of n slots over G groups as views of ``ints`` from ``offset`` (each part 16-byte aligned)."""
+    parts = []
+    for k in _alignment_sizes(n, G, block_m):
+        parts.append(ints[offset:offset + k])
+        offset += aligned16(k)
+    return Alignment(*parts, block_m=block_m, max_blocks=max_blocks_for(n, G, block_m), n_groups=G)
+
+
+def _outputs(n: int, G: int, block_m: int, dev) -> Alignment:  # noqa: ANN001
+    ints = torch.empty(sum(aligned16(k) for k in _alignment_sizes(n, G, block_m)), dtype=torch.int32, device=dev)
+    return _alignment_in(ints, 0, n, G, block_m)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -293,16 +306,24 @@ def chunking(M: int, top_k: int, rows: int, max_chunks: int, chunk_slots_max: in
     return tiles, cdiv(M, rows * tiles)
 
 
+def _chunk_rows(top_k: int, route: dict | None) -> int:
+    """Tokens per chunk tile: the route tile's rows when the count launch routes, else up to 16."""
+    return route["ROWS"] if route is not None else max(1, min(16, CHUNK_SLOTS_MAX // max(top_k, 1)))
+
+
 def _align_chunks(al: Alignment, M: int, top_k: int, shared: bool, *, route: dict | None,
                   logits: torch.Tensor | None, gate: torch.Tensor | None, weights: torch.Tensor | None,
-                  ids: torch.Tensor, expert_map: torch.Tensor | None, e_global: int, n_local: int) -> None:
-    """Two launches over chunks of tokens: (route +) count, then scatter with its own scan."""
-    dev = ids.device
-    rows = route["ROWS"] if route is not None else max(1, min(16, CHUNK_SLOTS_MAX // max(top_k, 1)))
+                  ids: torch.Tensor, expert_map: torch.Tensor | None, e_global: int, n_local: int,
+                  counts: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    """Two launches over chunks of tokens: (route +) count, then scatter with its own scan. ``counts``: the two
+    ``[n_chunks * n_local]`` int32 tables they pass on (allocated here when not given)."""
+    rows = _chunk_rows(top_k, route)
     tiles, n_chunks = chunking(M, top_k, rows, MAX_CHUNKS, CHUNK_SLOTS_MAX)
     chunk_tokens = rows * tiles
     chunk_pad, g_pad = _pow2(chunk_tokens * top_k), _pow2(n_local)
-    counts = torch.empty(2, aligned16(n_chunks * n_local), dtype=torch.int32, device=dev)  # two [n_chunks, E_local]
+    if counts is None:
+        both = torch.empty(2, aligned16(n_chunks * n_local), dtype=torch.int32, device=ids.device)
+        counts = both[0], both[1]
     routed = route is not None
     if not routed:
         route = dict(N_SPLITS=1, TOP_K=top_k, K_PAD=_pow2(top_k, 2), E_PAD=16, ROWS=rows, RENORMALIZE=False,
@@ -343,31 +364,112 @@ def align(ids: torch.Tensor, *, n_local: int, block_m: int, expert_map: torch.Te
     return al
 
 
+@dataclass
+class RouteScratch:
+    """The per-call tensors of :func:`route_and_align` and the router GEMM before it (all fp32 / int32).
+
+    :func:`route_scratch` lays them out in one buffer that ``moe_block`` keeps between calls (per thread, device and
+    stream: :mod:`kernels_triton._kept`), so a call neither allocates nor views them again; each holds its values
+    until the next call on the same stream."""
+
+    logits: torch.Tensor  # [n_splits, M, E] router partials (routing.router_logits(out=...))
+    gate_part: torch.Tensor  # [n_splits, M] gate partials, 16-byte aligned after ``logits``; ``logits`` without gate
+    weights: torch.Tensor  # [M, slots] fp32
+    ids: torch.Tensor  # [M, slots] int32
+    al: Alignment
+    counts: tuple[torch.Tensor, torch.Tensor] | None  # the chunked path's two [n_chunks * n_local] tables
+    base: torch.Tensor | None  # the one-launch path's [max(n_local, 1)] group bases
+
+
+KEEP_MAX_BYTES = 32 << 20  # route_scratch keeps layouts up to this size (the router partials of 16384 tokens x 512
+# experts, 32 MB, are not kept: a call of that size is GPU-bound by ~2 ms anyway)
+
+
+@functools.lru_cache(maxsize=1024)
+def _scratch_layout(M: int, E: int, n_splits: int, top_k: int, gate: bool, shared: bool, n_local: int,
+                    block_m: int) -> tuple[int, tuple[int, ...]]:
+    """(int32 elements in all, start of each part) of :class:`RouteScratch`: logits, gate partials, weights, ids,
+    the alignment, then the chunk tables or the group bases. Every part starts 16-byte aligned."""
+    slots = top_k + int(shared)
+    n = M * slots
+    parts = [n_splits * M * E, n_splits * M if gate else 0, n, n, sum(aligned16(k) for k in
+             _alignment_sizes(n, n_local + int(shared), block_m))]
+    if M * top_k <= ALIGN_LAST_MAX_SLOTS:
+        parts.append(max(n_local, 1))
+    else:
+        route = route_launch_params(M, E, top_k)
+        _, n_chunks = chunking(M, top_k, _chunk_rows(top_k, route), MAX_CHUNKS, CHUNK_SLOTS_MAX)
+        parts += [n_chunks * n_local, n_chunks * n_local]
+    starts, total = [], 0
+    for k in parts:
+        starts.append(total)
+        total += aligned16(k)
+    return total, tuple(starts)
+
+
+def route_scratch(M: int, E: int, n_splits: int, top_k: int, *, gate: bool, shared: bool, n_local: int,
+                  block_m: int, device: torch.device, keep: bool = True) -> RouteScratch:
+    """The :class:`RouteScratch` of one ``moe_block`` call (router of E experts in ``n_splits`` partials, M tokens,
+    top_k picks (+ the shared expert), n_local local experts, BLOCK_M-row blocks). ``keep``: from this thread's
+    kept buffer for the device and stream (views made once per layout) where :func:`kernels_triton._kept.kept`
+    allows and the layout is at most KEEP_MAX_BYTES; else a new allocation."""
+    total, starts = _scratch_layout(M, E, n_splits, top_k, gate, shared, n_local, block_m)
+
+    def build(ints: torch.Tensor) -> RouteScratch:
+        floats = ints.view(torch.float32)
+        slots = top_k + int(shared)
+        n = M * slots
+        logits = floats[starts[0]:starts[0] + n_splits * M * E].view(n_splits, M, E)
+        gate_part = floats[starts[1]:starts[1] + n_splits * M].view(n_splits, M) if gate else logits
+        weights = floats[starts[2]:starts[2] + n].view(M, slots)
+        ids = ints[starts[3]:starts[3] + n].view(M, slots)
+        al = _alignment_in(ints, starts[4], n, n_local + int(shared), block_m)
+        if len(starts) == 6:
+            return RouteScratch(logits, gate_part, weights, ids, al, None, ints[starts[5]:starts[5] + max(n_local, 1)])
+        c = starts[6] - starts[5]  # n_chunks * n_local, rounded up to the 16-byte alignment
+        counts = ints[starts[5]:starts[6]], ints[starts[6]:starts[6] + c]
+        return RouteScratch(logits, gate_part, weights, ids, al, counts, None)
+
+    if keep and total * 4 <= KEEP_MAX_BYTES:
+        record = kept("moe_route", total, torch.int32, device)
+        if record is not None:
+            return record.view((M, E, n_splits, top_k, gate, shared, n_local, block_m), build)
+    return build(torch.empty(total, dtype=torch.int32, device=device))
+
+
 def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize: bool, *, n_experts: int,
                     n_local: int, block_m: int, expert_map: torch.Tensor | None, gate: bool,
-                    shared: bool, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
+                    shared: bool, pdl: bool = False,
+                    scratch: RouteScratch | None = None) -> tuple[torch.Tensor, torch.Tensor, Alignment]:
     """Routing of ``logits`` (see :func:`kernels_triton.moe.routing.route`) and the alignment of its picks.
 
     ``logits``: from :func:`kernels_triton.moe.routing.router_logits` (with ``gate``, the gate partials
     follow it). Decode-sized batches do both in one launch (routing spread over programs, the last of them
     aligns); larger ones in two launches (route + count, scatter). ``pdl``: the one-launch form with programmatic
-    dependent launch (:mod:`kernels_triton.moe.pdl`).
+    dependent launch (:mod:`kernels_triton.moe.pdl`). ``scratch``: where the results go (:func:`route_scratch` for
+    the same sizes, whose ``logits`` these are); new tensors when not given.
     """
     M = logits.shape[-2]
     slots = top_k + int(shared)
     dev = logits.device
-    weights = torch.empty(M, slots, dtype=torch.float32, device=dev)
-    ids = torch.empty(M, slots, dtype=torch.int32, device=dev)
-    al = _outputs(M * slots, n_local + int(shared), block_m, dev)
-    gate_part = gate_logits(logits, n_splits) if gate else logits
+    if scratch is None:
+        weights = torch.empty(M, slots, dtype=torch.float32, device=dev)
+        ids = torch.empty(M, slots, dtype=torch.int32, device=dev)
+        al = _outputs(M * slots, n_local + int(shared), block_m, dev)
+        gate_part = gate_logits(logits, n_splits) if gate else logits
+        counts = base = None
+    else:
+        weights, ids, al, gate_part = scratch.weights, scratch.ids, scratch.al, scratch.gate_part
+        counts, base = scratch.counts, scratch.base
     align_last = M * top_k <= ALIGN_LAST_MAX_SLOTS
     route = dict(route_launch_params(M, n_experts, top_k), N_SPLITS=n_splits, RENORMALIZE=bool(renormalize),
                  HAS_GATE=bool(gate), HAS_SHARED=bool(shared))
     if not align_last:
         _align_chunks(al, M, top_k, bool(shared), route=route, logits=logits, gate=gate_part, weights=weights,
-                      ids=ids, expert_map=expert_map, e_global=n_experts, n_local=n_local)
+                      ids=ids, expert_map=expert_map, e_global=n_experts, n_local=n_local, counts=counts)
         return weights, ids, al
-    base = torch.empty(max(n_local, 1), dtype=torch.int32, device=dev)
+    if base is None:
+        base = torch.empty(max(n_local, 1), dtype=torch.int32, device=dev)
     _launch_route_align[(cdiv(M, route["ROWS"]),)](
         logits, gate_part, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, base,
         al.sorted_slots, al.block_group, al.group_start, al.group_count, al.total_blocks, arrival_counter(dev), M,

@@ -109,9 +109,14 @@ def moe_block(
     # each launch starts while the one before finishes: where routing and alignment are one launch
     # (kernels_triton/moe/pdl.py)
     pdl = _pdl.enabled(x, M * top_k <= _align.ALIGN_LAST_MAX_SLOTS)
-    logits, n_splits = _routing.router_logits(x, router_weight, gate, pdl=pdl)
+    # the router partials, routing results and alignment: one kept buffer, no allocation or view per call
+    n_experts = router_weight.shape[0]
+    scratch = _align.route_scratch(M, n_experts, _routing.router_launch(M, H, n_experts)[0][2], top_k,
+                                   gate=gate is not None, shared=fused_shared, n_local=E, block_m=cfgs[0].BLOCK_M,
+                                   device=x.device)
+    logits, n_splits = _routing.router_logits(x, router_weight, gate, pdl=pdl, out=(scratch.logits, scratch.gate_part))
     weights, _, al = _align.route_and_align(
-        logits, n_splits, top_k, renormalize, n_experts=router_weight.shape[0], n_local=E,
-        block_m=cfgs[0].BLOCK_M, expert_map=expert_map, gate=gate is not None, shared=fused_shared, pdl=pdl)
+        logits, n_splits, top_k, renormalize, n_experts=n_experts, n_local=E, block_m=cfgs[0].BLOCK_M,
+        expert_map=expert_map, gate=gate is not None, shared=fused_shared, pdl=pdl, scratch=scratch)
     return _run_experts(x, w13, w2, weights, al, cfgs, (shared_w13, shared_w2) if fused_shared else None, extra,
                         pdl=pdl)

@@ -282,18 +282,27 @@ def router_partials(M: int, E: int, n_splits: int, gate: bool,
 
 
 def router_logits(x: torch.Tensor, router_weight: torch.Tensor,
-                  gate_weight: torch.Tensor | None, pdl: bool = False) -> tuple[torch.Tensor, int]:
+                  gate_weight: torch.Tensor | None, pdl: bool = False,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, int]:
     """fp32 split-K partials of the router logits ``[n_splits, M, E]``; returns (partials, n_splits).
 
     With ``gate_weight`` the same allocation continues with the gate logits' partials ``[n_splits, M]``
     (16-byte aligned; :func:`gate_logits` views them): the logits rows keep a stride of E (16-byte
-    aligned when E % 4 == 0, so their loads vectorise) and the GEMM tiles only E columns.
+    aligned when E % 4 == 0, so their loads vectorise) and the GEMM tiles only E columns. ``out``: (partials,
+    gate partials) to write instead, laid out as :func:`router_partials` does (``n_splits`` from
+    :func:`router_launch`).
     """
     M, H = x.shape
     E = router_weight.shape[0]
     grid, k_per_split, launch = router_launch(M, H, E)
     n_splits = grid[2]
-    out, gate_out = router_partials(M, E, n_splits, gate_weight is not None, x.device)
+    if out is None:
+        out, gate_out = router_partials(M, E, n_splits, gate_weight is not None, x.device)
+    else:
+        out, gate_out = out
+        if out.shape != (n_splits, M, E) or out.dtype != torch.float32:
+            raise ValueError(f"router_logits: out must be fp32 [{n_splits}, {M}, {E}] (n_splits from router_launch), "
+                             f"got {out.dtype} {list(out.shape)}")
     _launch_router_logits[grid](
         x, router_weight, gate_weight if gate_weight is not None else router_weight, out, gate_out, M, H, E,
         k_per_split, HAS_GATE=gate_weight is not None, IEEE=x.dtype == torch.float32, PDL=pdl, **launch,
