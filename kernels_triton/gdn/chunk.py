@@ -1198,8 +1198,8 @@ def gdn_chunk_prefill(
     ``SCAN_T``: the prepare leaves ``T diag(beta)`` and the scan forms ``V'`` itself, the default of the one-pass scan
     but off in a caller's scan_config unless set) override the launch configs of the two phases; the benchmark times
     variants with them. Either one also turns off the single-launch path of batches of at most ``CHUNK`` tokens.
-    Host cost matters here (short prompts at TP4/TP8): one workspace allocation (kept per stream for batches of at
-    most ``CHUNK`` tokens), cached configs, and kernels launched through :class:`DirectLauncher`.
+    Host cost matters here (short prompts at TP4/TP8): one workspace allocation (kept per thread and stream for
+    batches of at most ``CHUNK`` tokens), cached configs, and kernels launched through :class:`DirectLauncher`.
     """
     T, H, K = q.shape
     _, HV, V = v.shape

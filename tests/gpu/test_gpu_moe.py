@@ -7,6 +7,7 @@ bit-identical reruns, and a CUDA-graph capture of moe_block (no host synchronisa
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
@@ -331,6 +332,11 @@ def test_kept_route_scratch_gives_the_bits_of_new_buffers(shape, monkeypatch):
     on_main = align.route_scratch(*args, **opts).logits.data_ptr()
     with torch.cuda.stream(side):
         assert align.route_scratch(*args, **opts).logits.data_ptr() != on_main, "two streams share a buffer"
+    other: list[int] = []  # another thread on the same (default) stream: a buffer of its own
+    worker = threading.Thread(target=lambda: other.append(align.route_scratch(*args, **opts).logits.data_ptr()))
+    worker.start()
+    worker.join()
+    assert other and other[0] != on_main, "two threads share a buffer"
     monkeypatch.setattr(align, "KEEP_MAX_BYTES", 0)  # every call allocates
     fresh = [moe.moe_block(x, top_k=k, **w) for x in xs]
     for i, (a, b, c) in enumerate(zip(kept, fresh, reversed(on_side), strict=True)):
