@@ -686,7 +686,7 @@ def test_alignment_buffers_are_16_byte_aligned_at_every_token_count():
 
 @pytest.mark.parametrize("M,top_k,shared,gate", [(1, 8, False, False), (5, 3, True, True), (40, 8, True, False),
                                                   (300, 10, False, True)])
-def test_route_scratch_parts_are_disjoint_aligned_and_sized(M, top_k, shared, gate):
+def test_route_scratch_parts_are_disjoint_aligned_and_sized(M, top_k, shared, gate, monkeypatch):
     """moe_block's per-call buffers in one allocation (kernels_triton.moe.align.route_scratch): every part starts
     16-byte aligned, none overlaps another, each has its size; the chunk tables where routing takes the chunked
     launches, the group bases where one launch aligns. Not kept off CUDA devices (kernels_triton._kept)."""
@@ -719,6 +719,11 @@ def test_route_scratch_parts_are_disjoint_aligned_and_sized(M, top_k, shared, ga
                                  device=torch.device("cpu"))
     assert again.logits.data_ptr() != sc.logits.data_ptr(), "kept off a CUDA device"
     assert _kept.kept("x", 4, torch.int32, torch.device("cpu")) is None
+    if not chunked:  # the layout follows the module's limits at the call (tests change them): chunk tables now
+        monkeypatch.setattr(talign, "ALIGN_LAST_MAX_SLOTS", 0)
+        forced = talign.route_scratch(M, E, n_splits, top_k, gate=gate, shared=shared, n_local=n_local,
+                                      block_m=block_m, device=torch.device("cpu"))
+        assert forced.counts is not None and forced.base is None
 
 
 def test_programmatic_dependent_launch_is_for_gpus_only(monkeypatch):

@@ -386,19 +386,21 @@ KEEP_MAX_BYTES = 32 << 20  # route_scratch keeps layouts up to this size (the ro
 
 
 @functools.lru_cache(maxsize=1024)
-def _scratch_layout(M: int, E: int, n_splits: int, top_k: int, gate: bool, shared: bool, n_local: int,
-                    block_m: int) -> tuple[int, tuple[int, ...]]:
+def _scratch_layout(M: int, E: int, n_splits: int, top_k: int, gate: bool, shared: bool, n_local: int, block_m: int,
+                    limits: tuple[int, int, int]) -> tuple[int, tuple[int, ...]]:
     """(int32 elements in all, start of each part) of :class:`RouteScratch`: logits, gate partials, weights, ids,
-    the alignment, then the chunk tables or the group bases. Every part starts 16-byte aligned."""
+    the alignment, then the chunk tables or the group bases. Every part starts 16-byte aligned. ``limits``: the
+    module's (ALIGN_LAST_MAX_SLOTS, MAX_CHUNKS, CHUNK_SLOTS_MAX) the layout is for (tests change them)."""
+    align_last_max, max_chunks, chunk_slots_max = limits
     slots = top_k + int(shared)
     n = M * slots
     parts = [n_splits * M * E, n_splits * M if gate else 0, n, n, sum(aligned16(k) for k in
              _alignment_sizes(n, n_local + int(shared), block_m))]
-    if M * top_k <= ALIGN_LAST_MAX_SLOTS:
+    if M * top_k <= align_last_max:
         parts.append(max(n_local, 1))
     else:
         route = route_launch_params(M, E, top_k)
-        _, n_chunks = chunking(M, top_k, _chunk_rows(top_k, route), MAX_CHUNKS, CHUNK_SLOTS_MAX)
+        _, n_chunks = chunking(M, top_k, _chunk_rows(top_k, route), max_chunks, chunk_slots_max)
         parts += [n_chunks * n_local, n_chunks * n_local]
     starts, total = [], 0
     for k in parts:
@@ -413,7 +415,9 @@ def route_scratch(M: int, E: int, n_splits: int, top_k: int, *, gate: bool, shar
     top_k picks (+ the shared expert), n_local local experts, BLOCK_M-row blocks). ``keep``: from this thread's
     kept buffer for the device and stream (views made once per layout) where :func:`kernels_triton._kept.kept`
     allows and the layout is at most KEEP_MAX_BYTES; else a new allocation."""
-    total, starts = _scratch_layout(M, E, n_splits, top_k, gate, shared, n_local, block_m)
+    layout = (M, E, n_splits, top_k, gate, shared, n_local, block_m, (ALIGN_LAST_MAX_SLOTS, MAX_CHUNKS,
+                                                                       CHUNK_SLOTS_MAX))
+    total, starts = _scratch_layout(*layout)
 
     def build(ints: torch.Tensor) -> RouteScratch:
         floats = ints.view(torch.float32)
@@ -433,7 +437,7 @@ def route_scratch(M: int, E: int, n_splits: int, top_k: int, *, gate: bool, shar
     if keep and total * 4 <= KEEP_MAX_BYTES:
         record = kept("moe_route", total, torch.int32, device)
         if record is not None:
-            return record.view((M, E, n_splits, top_k, gate, shared, n_local, block_m), build)
+            return record.view(layout, build)
     return build(torch.empty(total, dtype=torch.int32, device=device))
 
 
