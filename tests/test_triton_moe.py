@@ -726,6 +726,26 @@ def test_route_scratch_parts_are_disjoint_aligned_and_sized(M, top_k, shared, ga
         assert forced.counts is not None and forced.base is None
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("gate,slots,I", [(False, 8, 512), (True, 9, 48), (True, 11, 7)])
+def test_one_token_scratch_parts_are_disjoint_aligned_and_sized(dtype, gate, slots, I):
+    """One token's per-call tensors in one allocation (kernels_triton.moe.decode.one_token_scratch): router and gate
+    partials, groups, weights and h (in x's dtype, odd widths included), each 16-byte aligned, none overlapping."""
+    from kernels_triton.moe import decode
+
+    E, n_splits = 40, 4
+    logits, gate_part, groups, weights, h = decode.one_token_scratch(E, n_splits, gate, slots, I, dtype,
+                                                                     torch.device("cpu"))
+    assert logits.shape == (n_splits, 1, E) and logits.dtype == torch.float32
+    assert (gate_part.shape == (n_splits, 1)) if gate else gate_part is logits
+    assert groups.shape == (slots,) and groups.dtype == torch.int32 and weights.dtype == torch.float32
+    assert h.shape == (slots, I) and h.dtype == dtype and h.is_contiguous()
+    parts = [logits, groups, weights, h] + ([gate_part] if gate else [])
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
+    assert all(a % 16 == 0 for a, _ in spans)
+    assert all(end <= start for (_, end), (start, _) in zip(spans[:-1], spans[1:], strict=True)), "parts overlap"
+
+
 def test_programmatic_dependent_launch_is_for_gpus_only(monkeypatch):
     """PDL (decode-sized batches by default, every size with QWEN35_MOE_PDL=1) is for CUDA devices of sm_90+ only;
     never on the CPU (the interpreter has no griddepcontrol), so these tests run the ordinary launches whatever the

@@ -311,15 +311,17 @@ def test_block_wait_gives_the_same_bits(M, pdl_env, shape, monkeypatch):
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_kept_route_scratch_gives_the_bits_of_new_buffers(shape, monkeypatch):
     """moe_block keeps its router partials, routing results and alignment in one buffer per thread, device and
-    stream (kernels_triton.moe.align.route_scratch): calls of several sizes queued back to back on one stream, and
-    calls on a second stream, give the bits of calls that allocate afresh; one layout's views are made once; a
-    capture takes its own buffers (test_block_captures_in_a_cuda_graph replays beside eager calls)."""
+    stream (kernels_triton.moe.align.route_scratch; one token: decode.one_token_scratch, h too): calls of several
+    sizes queued back to back on one stream, and calls on a second stream, give the bits of calls that allocate
+    afresh; one layout's views are made once; a capture takes its own buffers (test_block_captures_in_a_cuda_graph
+    replays beside eager calls)."""
     from kernels_triton import moe
-    from kernels_triton.moe import align
+    from kernels_triton.moe import align, decode
 
     E, k, H, _ = SHAPES[shape]
     w = _weights(shape, torch.bfloat16)
-    xs = [_x(M, H, torch.bfloat16, seed=11) for M in (3, 40, 1024, 3, 17)]  # one-launch and chunked routing
+    # one token (decode.one_token_scratch), one-launch and chunked routing
+    xs = [_x(M, H, torch.bfloat16, seed=11) for M in (3, 1, 40, 1024, 3, 1, 17)]
     kept = [moe.moe_block(x, top_k=k, **w) for x in xs]  # no synchronisation between them
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -338,6 +340,7 @@ def test_kept_route_scratch_gives_the_bits_of_new_buffers(shape, monkeypatch):
     worker.join()
     assert other and other[0] != on_main, "two threads share a buffer"
     monkeypatch.setattr(align, "KEEP_MAX_BYTES", 0)  # every call allocates
+    monkeypatch.setattr(decode, "kept", lambda *args: None)
     fresh = [moe.moe_block(x, top_k=k, **w) for x in xs]
     for i, (a, b, c) in enumerate(zip(kept, fresh, reversed(on_side), strict=True)):
         assert torch.equal(a, b) and torch.equal(c, b), (i, xs[i].shape[0])
