@@ -41,6 +41,16 @@ def aligned16(n: int) -> int:
     return -(-n // 4) * 4
 
 
+def aligned_parts(sizes: list[int] | tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
+    """(4-byte elements in all, start of each part) of parts of ``sizes`` 4-byte elements laid out one after another
+    in one buffer, each starting 16-byte aligned (:func:`aligned16`)."""
+    starts, total = [], 0
+    for n in sizes:
+        starts.append(total)
+        total += aligned16(n)
+    return total, tuple(starts)
+
+
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 

@@ -684,6 +684,13 @@ def test_alignment_buffers_are_16_byte_aligned_at_every_token_count():
             assert all(t.data_ptr() % 16 == 0 for t in parts), (n, G)
 
 
+def _assert_disjoint_and_aligned(parts: list) -> None:
+    """Views of one buffer: each starts 16-byte aligned and none overlaps another."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
+    assert all(a % 16 == 0 for a, _ in spans)
+    assert all(end <= start for (_, end), (start, _) in zip(spans[:-1], spans[1:], strict=True)), "parts overlap"
+
+
 @pytest.mark.parametrize("M,top_k,shared,gate", [(1, 8, False, False), (5, 3, True, True), (40, 8, True, False),
                                                   (300, 10, False, True)])
 def test_route_scratch_parts_are_disjoint_aligned_and_sized(M, top_k, shared, gate, monkeypatch):
@@ -712,9 +719,7 @@ def test_route_scratch_parts_are_disjoint_aligned_and_sized(M, top_k, shared, ga
         assert sc.gate_part.data_ptr() == trouting.gate_logits(sc.logits, n_splits).data_ptr()
     else:
         assert sc.gate_part is sc.logits
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
-    assert all(a % 16 == 0 for a, _ in spans)
-    assert all(end <= start for (_, end), (start, _) in zip(spans[:-1], spans[1:], strict=True)), "parts overlap"
+    _assert_disjoint_and_aligned(parts)
     again = talign.route_scratch(M, E, n_splits, top_k, gate=gate, shared=shared, n_local=n_local, block_m=block_m,
                                  device=torch.device("cpu"))
     assert again.logits.data_ptr() != sc.logits.data_ptr(), "kept off a CUDA device"
@@ -741,9 +746,7 @@ def test_one_token_scratch_parts_are_disjoint_aligned_and_sized(dtype, gate, slo
     assert groups.shape == (slots,) and groups.dtype == torch.int32 and weights.dtype == torch.float32
     assert h.shape == (slots, I) and h.dtype == dtype and h.is_contiguous()
     parts = [logits, groups, weights, h] + ([gate_part] if gate else [])
-    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in parts)
-    assert all(a % 16 == 0 for a, _ in spans)
-    assert all(end <= start for (_, end), (start, _) in zip(spans[:-1], spans[1:], strict=True)), "parts overlap"
+    _assert_disjoint_and_aligned(parts)
 
 
 def test_programmatic_dependent_launch_is_for_gpus_only(monkeypatch):

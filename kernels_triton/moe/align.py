@@ -41,7 +41,7 @@ import triton.language as tl
 
 from kernels_triton._arrival import arrival_counter, last_to_arrive
 from kernels_triton._kept import kept
-from kernels_triton._launch import DirectLauncher, aligned16
+from kernels_triton._launch import DirectLauncher, aligned16, aligned_parts
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.routing import _route_tile, cdiv, gate_logits, pow2, route_launch_params, route_warps
 
@@ -281,15 +281,14 @@ def _alignment_sizes(n: int, G: int, block_m: int) -> tuple[int, ...]:
 
 def _alignment_in(ints: torch.Tensor, offset: int, n: int, G: int, block_m: int) -> Alignment:
     """The Alignment of n slots over G groups as views of ``ints`` from ``offset`` (each part 16-byte aligned)."""
-    parts = []
-    for k in _alignment_sizes(n, G, block_m):
-        parts.append(ints[offset:offset + k])
-        offset += aligned16(k)
-    return Alignment(*parts, block_m=block_m, max_blocks=max_blocks_for(n, G, block_m), n_groups=G)
+    sizes = _alignment_sizes(n, G, block_m)
+    starts = aligned_parts(sizes)[1]
+    return Alignment(*(ints[offset + s:offset + s + k] for s, k in zip(starts, sizes, strict=True)),
+                     block_m=block_m, max_blocks=sizes[1], n_groups=G)
 
 
 def _outputs(n: int, G: int, block_m: int, dev) -> Alignment:  # noqa: ANN001
-    ints = torch.empty(sum(aligned16(k) for k in _alignment_sizes(n, G, block_m)), dtype=torch.int32, device=dev)
+    ints = torch.empty(aligned_parts(_alignment_sizes(n, G, block_m))[0], dtype=torch.int32, device=dev)
     return _alignment_in(ints, 0, n, G, block_m)
 
 
@@ -394,19 +393,15 @@ def _scratch_layout(M: int, E: int, n_splits: int, top_k: int, gate: bool, share
     align_last_max, max_chunks, chunk_slots_max = limits
     slots = top_k + int(shared)
     n = M * slots
-    parts = [n_splits * M * E, n_splits * M if gate else 0, n, n, sum(aligned16(k) for k in
-             _alignment_sizes(n, n_local + int(shared), block_m))]
+    parts = [n_splits * M * E, n_splits * M if gate else 0, n, n,
+             aligned_parts(_alignment_sizes(n, n_local + int(shared), block_m))[0]]
     if M * top_k <= align_last_max:
         parts.append(max(n_local, 1))
     else:
         route = route_launch_params(M, E, top_k)
         _, n_chunks = chunking(M, top_k, _chunk_rows(top_k, route), max_chunks, chunk_slots_max)
         parts += [n_chunks * n_local, n_chunks * n_local]
-    starts, total = [], 0
-    for k in parts:
-        starts.append(total)
-        total += aligned16(k)
-    return total, tuple(starts)
+    return aligned_parts(parts)
 
 
 def route_scratch(M: int, E: int, n_splits: int, top_k: int, *, gate: bool, shared: bool, n_local: int,

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from kernels_triton._arrival import arrival_counter, last_to_arrive
 from kernels_triton._kept import kept
-from kernels_triton._launch import DirectLauncher, aligned16
+from kernels_triton._launch import DirectLauncher, aligned_parts
 from kernels_triton._pdl import env_choice as _env_choice
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.experts import _expert_weights
@@ -49,7 +49,6 @@ from kernels_triton.moe.routing import (
     cdiv,
     pow2,
     router_launch,
-    router_partials,
 )
 
 ENV = "QWEN35_MOE_DECODE"  # "0": one token takes the general pipeline too (comparisons, a way around this path)
@@ -249,12 +248,7 @@ def _one_token_layout(E: int, n_splits: int, gate: bool, slots: int, h_numel: in
                       h_bytes: int) -> tuple[int, tuple[int, ...]]:
     """(int32 elements in all, start of each part) of one token's scratch: router partials, gate partials, groups,
     weights, then ``h`` (``h_numel`` elements of ``h_bytes`` bytes); every part 16-byte aligned."""
-    parts = [n_splits * E, n_splits if gate else 0, slots, slots, -(-h_numel * h_bytes // 4)]
-    starts, total = [], 0
-    for k in parts:
-        starts.append(total)
-        total += aligned16(k)
-    return total, tuple(starts)
+    return aligned_parts([n_splits * E, n_splits if gate else 0, slots, slots, -(-h_numel * h_bytes // 4)])
 
 
 def one_token_scratch(E: int, n_splits: int, gate: bool, slots: int, I: int, h_dtype: torch.dtype,
@@ -294,11 +288,8 @@ def route_one(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormal
     n_splits = grid[2]
     slots = top_k + int(shared)
     if scratch is None:
-        logits, gate_part = router_partials(1, E, n_splits, gate_weight is not None, x.device)
-        ints = torch.empty(2 * aligned16(slots), dtype=torch.int32, device=x.device)
-        groups, weights = ints[:slots], ints[aligned16(slots):aligned16(slots) + slots].view(torch.float32)
-    else:
-        logits, gate_part, groups, weights = scratch[:4]
+        scratch = one_token_scratch(E, n_splits, gate_weight is not None, slots, 0, x.dtype, x.device, keep=False)
+    logits, gate_part, groups, weights = scratch[:4]
     _launch_router[grid](
         x, router_weight, gate_weight if gate_weight is not None else router_weight, logits, gate_part,
         arrival_counter(x.device), expert_map if expert_map is not None else groups, groups, weights, H, E, n_local,
