@@ -10,6 +10,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 
@@ -80,6 +83,53 @@ def test_route_ties_go_to_the_lowest_id():
     assert ids[2].tolist() == [1, 2, 4, 11, 9]
     assert torch.equal(ids.cpu(), rid)
     assert_close(weights, rw, 1e-6, "tied weights")
+
+
+@pytest.mark.parametrize("E,k", [(6, 5), (64, 8), (40, 16)])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_one_row_tiles_bitonic_equals_max(E, k, renormalize, tmp_path):
+    """Tiles of one row (up to 64 tokens) pick by one bitonic top-k (``tl.topk``), tiles of several rows by TOP_K max
+    reductions (routing.TOPK_BITONIC). The same one-row tiles with the reductions (``QWEN35_MOE_TOPK=max``, read at
+    import: a second process) give the same ids and weight bits, ties included; many-row tiles the same ids and the
+    weights to rounding (their sums run in another order)."""
+    from kernels_triton.moe import routing
+
+    gen = torch.Generator().manual_seed(E * k)
+    logits = _rnd(gen, 1024, E, scale=2.0)
+    logits[:, ::3] = logits[:, :1]  # ties in every row
+    logits[1] = 0.0
+    logits[2, ::2] = -0.0
+    few = torch.cat([logits[:5], logits[1000:1010]])
+    assert routing.route_launch_params(few.shape[0], E, k)["ROWS"] == 1
+    assert routing.route_launch_params(1024, E, k)["ROWS"] > 1
+    w_one, id_one = routing.route(few, k, renormalize)
+    torch.save(few.cpu(), tmp_path / "few.pt")
+    script = ("import sys, torch\nfrom kernels_triton.moe import routing\n"
+              f"w, i = routing.route(torch.load(sys.argv[1]).to('{DEVICE}'), {k}, {renormalize})\n"
+              "torch.save((w.cpu(), i.cpu()), sys.argv[2])\n")
+    env = dict(os.environ, **{routing.TOPK_ENV: "max"})
+    subprocess.run([sys.executable, "-c", script, str(tmp_path / "few.pt"), str(tmp_path / "max.pt")], env=env,
+                   check=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
+    w_max, id_max = torch.load(tmp_path / "max.pt")
+    assert torch.equal(id_one.cpu(), id_max)
+    assert torch.equal(w_one.cpu().view(torch.int32), w_max.view(torch.int32))
+    w_many, id_many = routing.route(logits, k, renormalize)
+    rows = torch.cat([torch.arange(5), torch.arange(1000, 1010)]).to(DEVICE)
+    assert torch.equal(id_one, id_many[rows])
+    assert_close(w_one, w_many[rows], 1e-6, "one-row vs many-row tile weights")
+    rw, rid = ref.moe_route(logits.cpu(), k, renormalize)
+    assert torch.equal(id_many.cpu(), rid)
+
+
+def test_topk_env_choice(monkeypatch):
+    from kernels_triton.moe import routing
+
+    for value, want in (("", True), ("bitonic", True), ("max", False)):
+        monkeypatch.setenv(routing.TOPK_ENV, value)
+        assert routing._env_topk() is want
+    monkeypatch.setenv(routing.TOPK_ENV, "heap")
+    with pytest.raises(ValueError, match="QWEN35_MOE_TOPK='heap'"):
+        routing._env_topk()
 
 
 # ----------------------------------------------------------------------------- alignment
