@@ -31,7 +31,7 @@ def _env_topk() -> bool:
 
 
 # Top-k of a one-row tile (one token; every route tile up to 64 tokens) by one bitonic top-k of the packed keys
-# (tl.topk) instead of TOP_K block-wide max reductions in turn: the same picks and weights, 0.9-1.2 µs less per
+# (tl.topk) instead of TOP_K block-wide max reductions in turn: the same picks and weights, 0.9-1.5 µs less per
 # one-token block on the H200 (tuning/results/moe_topk_s20_nvidia_h200.json). Tiles of several rows keep the
 # reductions (16 rows: 5-9 µs slower bitonic). QWEN35_MOE_TOPK=max turns it off (read at import).
 TOPK_BITONIC = tl.constexpr(_env_topk())
