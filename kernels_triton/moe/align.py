@@ -144,10 +144,10 @@ def _align_single(ids_ptr, map_ptr, slot_group_ptr, sorted_ptr, block_group_ptr,
     Sorted, the (group, slot) keys of each group form a contiguous run: a key's place in its run counted from the
     front and from the back gives the run's length (the group's count) and the slot's row in the group, and the
     runs' block counts summed in key order give each group's start. Nothing is sized by the groups but two stores
-    of zeros (a group without slots: start and count 0): no histogram or scan over them and no per-group base read
-    back through memory, as before. H200, the route + align launch at decode sizes, µs: 512 groups 5.80 -> 4.82 (2
-    tokens), 5.96 -> 5.27 (4), 7.03 -> 6.22 (16); 256 groups 4.13 -> 3.95 (4), equal at 16-32 tokens; same bits
-    (tuning/results/moe_align_runs_s21_nvidia_h200.json)."""
+    of zeros (a group without slots: start and count 0), where the earlier code ran a histogram and two scans over
+    all groups and read per-group bases back through memory. H200, the route + align launch at decode sizes, µs:
+    512 groups 5.80 -> 4.82 (2 tokens), 5.96 -> 5.27 (4), 7.03 -> 6.22 (16); 256 groups 4.13 -> 3.95 (4), equal at
+    16-32 tokens; same bits (tuning/results/moe_align_runs_s21_nvidia_h200.json)."""
     SLOTS: tl.constexpr = TOP_K + HAS_SHARED
     q = tl.arange(0, N_PAD)
     in_range = q < M * TOP_K
@@ -163,7 +163,8 @@ def _align_single(ids_ptr, map_ptr, slot_group_ptr, sorted_ptr, block_group_ptr,
     count = ahead + behind - 1
     blocks = (count + BLOCK_M - 1) // BLOCK_M
     first = real & (ahead == 1)
-    through = tl.cumsum(tl.where(first, blocks, 0), 0)  # blocks of the groups up to and including the key's
+    lead_blocks = tl.where(first, blocks, 0)  # each group's blocks, on its first key
+    through = tl.cumsum(lead_blocks, 0)  # blocks of the groups up to and including the key's
     start = (through - blocks) * BLOCK_M
     pos = start + ahead - 1
     tl.store(sorted_ptr + pos, _routed_slot(keys % N_PAD, TOP_K, SLOTS), mask=real)
@@ -174,7 +175,7 @@ def _align_single(ids_ptr, map_ptr, slot_group_ptr, sorted_ptr, block_group_ptr,
     tl.debug_barrier()  # the zeros first: each group with slots overwrites its own (stores of other threads)
     tl.store(group_start_ptr + g, start, mask=first)
     tl.store(group_count_ptr + g, count, mask=first)
-    routed_blocks = tl.sum(tl.where(first, blocks, 0), 0)
+    routed_blocks = tl.sum(lead_blocks, 0)
     _store_shared_size(group_start_ptr, group_count_ptr, total_blocks_ptr, routed_blocks, M, E_LOCAL, HAS_SHARED,
                        BLOCK_M)
     if HAS_SHARED:
