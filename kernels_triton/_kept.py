@@ -11,14 +11,19 @@ on the H200's (virtualised) hosts a ``torch.empty`` costs 2.5-4.5 µs and every 
 graph being captured (a captured graph must own its memory: a kept buffer is replaced when it grows, and two graphs
 or a graph and eager calls would share one). A record's ``views`` dict is the caller's cache of views into the
 buffer by layout; it is emptied whenever the buffer is replaced. Per thread as well as per stream: two threads
-issuing calls on one stream would interleave their kernels on one buffer.
+issuing calls on one stream would interleave their kernels on one buffer. :func:`kept_views` is the common use: a
+call's views of its scratch, built once per layout over the kept buffer, or over a new one where none may be kept.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 _local = threading.local()
 MAX_VIEWS = 64  # layouts whose views a record caches before it starts again from empty
@@ -59,3 +64,14 @@ def kept(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> Kep
     if record is None or record.buffer.numel() < numel:
         record = mine[key] = Kept(torch.empty(numel, dtype=dtype, device=device))
     return record
+
+
+def kept_views(name: str, numel: int, dtype: torch.dtype, device: torch.device, layout: object,
+               build: Callable[[torch.Tensor], T], keep: bool = True) -> T:
+    """``build(buffer)``: the views of one call's scratch for ``layout`` (``numel`` elements of ``dtype`` in all),
+    made once per layout over this thread's kept buffer ``name`` (:func:`kept`, :meth:`Kept.view`), or made over a
+    new buffer where none may be kept or ``keep`` is False."""
+    record = kept(name, numel, dtype, device) if keep else None
+    if record is None:
+        return build(torch.empty(numel, dtype=dtype, device=device))
+    return record.view(layout, build)

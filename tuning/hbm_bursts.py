@@ -1,11 +1,13 @@
 """How fast one short kernel can read N MB from HBM on this GPU: the bound for decode-sized MoE launches.
 
     python -m tuning.hbm_bursts --out DIR     # -> DIR/hbm_bursts_<device>.json
+    python -m tuning.hbm_bursts --out DIR --sizes 1,4,30 --chains 4,30 --tag s22   # other sizes / chains
 
 A read-only Triton kernel (each program sums its contiguous share of the bytes and stores one fp32) over program
 counts, block widths, warps and pipeline stages, per size (the best row per size printed); torch's copy for
 reference; and chains of dependent reads shaped like the one-token MoE block (router 1 MB -> gate_up 32 MB ->
-down 16 MB at 35B-A3B), each read at its size's best shape. CUDA-graph replay; the buffers rotate over 32 regions so
+down 16 MB at 35B-A3B), each read at its size's best shape (sizes in MiB; a chain's sizes must be among the
+sizes swept). CUDA-graph replay; the buffers rotate over 32 regions so
 L2 holds none of a read's bytes when it starts. Reports, never asserts.
 """
 
@@ -54,9 +56,11 @@ class _Reader:
                                   num_warps=warps, num_stages=stages)
 
 
-def run(out: Path) -> list[dict]:
+def run(out: Path, sizes: tuple[int, ...] = SIZES_MB, chains: tuple[tuple[int, ...], ...] = CHAINS,
+        tag: str = "") -> list[dict]:
+    _check_chains(sizes, chains)
     read, rows = _Reader(), []
-    for mb in SIZES_MB:
+    for mb in sizes:
         n = (mb << 20) // 2
         for programs in PROGRAMS:
             for block, warps in BLOCKS:
@@ -81,20 +85,38 @@ def run(out: Path) -> list[dict]:
                          TBps_read_plus_write=round(2 * mb * (1 << 20) / us / 1e6, 2)))
         print(json.dumps(rows[-1]), flush=True)
         del srcs, pairs
-    for sizes in CHAINS:
-        shapes = [_best(rows, mb) for mb in sizes]
+    for links in chains:
+        shapes = [_best(rows, mb) for mb in links]
 
-        def chain(sizes=sizes, shapes=shapes) -> None:
+        def chain(links=links, shapes=shapes) -> None:
             for _ in range(4):
-                for mb, s in zip(sizes, shapes, strict=True):
+                for mb, s in zip(links, shapes, strict=True):
                     read(mb, s["programs"], s["block"], s["warps"], s["stages"])
         us = _bench.time_graph_ms(chain, calls_per_graph=5) * 1e3 / 4
-        rows.append(dict(what="chain " + " -> ".join(f"{mb} MB" for mb in sizes), us=round(us, 2),
-                         TBps=round(sum(sizes) * (1 << 20) / us / 1e6, 2)))
+        rows.append(dict(what="chain " + " -> ".join(f"{mb} MB" for mb in links), us=round(us, 2),
+                         TBps=round(sum(links) * (1 << 20) / us / 1e6, 2)))
         print(json.dumps(rows[-1]), flush=True)
-    _bench.write_results(out, f"hbm_bursts_{device_slug(_bench.device_name())}", rows, meta=dict(
+    name = f"hbm_bursts_{tag}_" if tag else "hbm_bursts_"
+    _bench.write_results(out, name + device_slug(_bench.device_name()), rows, meta=dict(
         op="HBM read bursts", dtype="bfloat16", what="graph replay, 32 regions rotated (cold L2); us per read"))
     return rows
+
+
+def _check_chains(sizes: tuple[int, ...], chains: tuple[tuple[int, ...], ...]) -> None:
+    missing = sorted({mb for chain in chains for mb in chain} - set(sizes))
+    if missing:
+        raise ValueError(f"hbm_bursts: chain sizes {missing} MiB are not among the sizes swept {sorted(sizes)}")
+
+
+def _sizes(value: str) -> tuple[int, ...]:
+    """``"1,4,30"`` -> (1, 4, 30): positive whole MiB."""
+    try:
+        sizes = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: expected comma-separated whole MiB >= 1, e.g. 1,4,30")
+    return sizes
 
 
 def _best(rows: list[dict], mb: int) -> dict:
@@ -104,11 +126,19 @@ def _best(rows: list[dict], mb: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--sizes", type=_sizes, default=SIZES_MB, help="comma-separated read sizes in MiB")
+    p.add_argument("--chains", type=lambda v: tuple(_sizes(c) for c in v.split(";")), default=CHAINS,
+                   help="semicolon-separated chains of dependent reads, each comma-separated sizes in MiB")
+    p.add_argument("--tag", default="", help="inserted in the results file name")
     args = p.parse_args(argv)
+    try:
+        _check_chains(args.sizes, args.chains)
+    except ValueError as e:
+        p.error(str(e))
     if not torch.cuda.is_available():
         print("hbm_bursts: needs a CUDA device")
         return 2
-    run(args.out)
+    run(args.out, args.sizes, args.chains, args.tag)
     return 0
 
 

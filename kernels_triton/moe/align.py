@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._arrival import arrival_counter, last_to_arrive
-from kernels_triton._kept import kept
+from kernels_triton._kept import kept_views
 from kernels_triton._launch import DirectLauncher, aligned16, aligned_parts
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.routing import _route_tile, cdiv, gate_logits, pow2, route_launch_params, route_warps
@@ -455,11 +455,7 @@ def route_scratch(M: int, E: int, n_splits: int, top_k: int, *, gate: bool, shar
         counts = ints[starts[5]:starts[6]], ints[starts[6]:starts[6] + c]
         return RouteScratch(logits, gate_part, weights, ids, al, counts)
 
-    if keep and total * 4 <= KEEP_MAX_BYTES:
-        record = kept("moe_route", total, torch.int32, device)
-        if record is not None:
-            return record.view(layout, build)
-    return build(torch.empty(total, dtype=torch.int32, device=device))
+    return kept_views("moe_route", total, torch.int32, device, layout, build, keep and total * 4 <= KEEP_MAX_BYTES)
 
 
 def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize: bool, *, n_experts: int,

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._arrival import arrival_counter, last_to_arrive
-from kernels_triton._kept import kept
+from kernels_triton._kept import kept_views
 from kernels_triton._launch import DirectLauncher, aligned_parts
 from kernels_triton._pdl import env_choice as _env_choice
 from kernels_triton.moe import pdl as _pdl
@@ -270,10 +270,7 @@ def one_token_scratch(E: int, n_splits: int, gate: bool, slots: int, I: int, h_d
         h = ints[starts[4]:].view(h_dtype)[:slots * I].view(slots, I)
         return logits, gate_part, groups, weights, h
 
-    record = kept("moe_one_token", total, torch.int32, device) if keep else None
-    if record is None:
-        return build(torch.empty(total, dtype=torch.int32, device=device))
-    return record.view((*layout, h_dtype), build)
+    return kept_views("moe_one_token", total, torch.int32, device, (*layout, h_dtype), build, keep)
 
 
 def route_one(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, renormalize: bool, *, n_local: int,

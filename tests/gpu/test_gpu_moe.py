@@ -315,8 +315,8 @@ def test_kept_route_scratch_gives_the_bits_of_new_buffers(shape, monkeypatch):
     sizes queued back to back on one stream, and calls on a second stream, give the bits of calls that allocate
     afresh; one layout's views are made once; a capture takes its own buffers (test_block_captures_in_a_cuda_graph
     replays beside eager calls)."""
-    from kernels_triton import moe
-    from kernels_triton.moe import align, decode
+    from kernels_triton import _kept, moe
+    from kernels_triton.moe import align
 
     E, k, H, _ = SHAPES[shape]
     w = _weights(shape, torch.bfloat16)
@@ -339,8 +339,7 @@ def test_kept_route_scratch_gives_the_bits_of_new_buffers(shape, monkeypatch):
     worker.start()
     worker.join()
     assert other and other[0] != on_main, "two threads share a buffer"
-    monkeypatch.setattr(align, "KEEP_MAX_BYTES", 0)  # every call allocates
-    monkeypatch.setattr(decode, "kept", lambda *args: None)
+    monkeypatch.setattr(_kept, "kept", lambda *args: None)  # every call allocates (both scratch layouts)
     fresh = [moe.moe_block(x, top_k=k, **w) for x in xs]
     for i, (a, b, c) in enumerate(zip(kept, fresh, reversed(on_side), strict=True)):
         assert torch.equal(a, b) and torch.equal(c, b), (i, xs[i].shape[0])
