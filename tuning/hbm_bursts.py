@@ -6,9 +6,9 @@
 A read-only Triton kernel (each program sums its contiguous share of the bytes and stores one fp32) over program
 counts, block widths, warps and pipeline stages, per size (the best row per size printed); torch's copy for
 reference; and chains of dependent reads shaped like the one-token MoE block (router 1 MB -> gate_up 32 MB ->
-down 16 MB at 35B-A3B), each read at its size's best shape (sizes in MiB; a chain's sizes must be among the
-sizes swept). CUDA-graph replay; the buffers rotate over 32 regions so
-L2 holds none of a read's bytes when it starts. Reports, never asserts.
+down 16 MB at 35B-A3B), each read at its size's best shape (sizes in MiB; a chain's sizes must be among the sizes
+swept). CUDA-graph replay; the buffers rotate over 32 regions so L2 holds none of a read's bytes when it starts.
+Reports, never asserts.
 """
 
 from __future__ import annotations

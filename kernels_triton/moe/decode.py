@@ -22,8 +22,9 @@ and a combine. Here three:
 Deterministic (fixed orders; the one atomic only elects the program that routes). The output differs from the
 general pipeline's in the last bits (the GEMV's summation order; no rounding of each slot's row to the activation
 dtype before the sum). Programmatic dependent launch on every launch only when ``QWEN35_MOE_PDL=1`` asks for it: on
-the H200 these launches were 1.5-7 µs slower with it (tuning/notes_moe.md, session 11); the early down launch
-above is the exception.
+the H200 these launches were 1.5-7 µs slower with it (tuning/notes_moe.md, session 11; again in session 22: 1.0-4.1
+µs, and up to 0.6 slower with the gate_up launch released only at the router's end); the early down launch above is
+the exception.
 """
 
 from __future__ import annotations
