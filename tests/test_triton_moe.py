@@ -765,7 +765,7 @@ def _assert_disjoint_and_aligned(parts: list) -> None:
 def test_route_scratch_parts_are_disjoint_aligned_and_sized(M, top_k, shared, gate, monkeypatch):
     """moe_block's per-call buffers in one allocation (kernels_triton.moe.align.route_scratch): every part starts
     16-byte aligned, none overlaps another, each has its size; the chunk tables where routing takes the chunked
-    launches, the group bases where one launch aligns. Not kept off CUDA devices (kernels_triton._kept)."""
+    launches, none where one launch aligns. Not kept off CUDA devices (kernels_triton._kept)."""
     from kernels_triton import _kept
     from kernels_triton.moe import routing as trouting
 
