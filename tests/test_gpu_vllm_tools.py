@@ -42,7 +42,8 @@ def test_logprob_diff_and_top1_agreement():
     d = vs.logprob_diff([[-1.0, -2.0], [-3.0]], [[-1.1, -2.0], [-2.5]], "t")
     assert d["positions"] == 3
     assert d["mean_abs"] == pytest.approx(0.2) and d["max_abs"] == pytest.approx(0.5)
-    assert vs.top1_agreement([{"top1": [1, 2]}, {"top1": [3]}], [{"top1": [1, 5]}, {"top1": [3]}]) == pytest.approx(2 / 3)
+    agree = vs.top1_agreement([{"top1": [1, 2]}, {"top1": [3]}], [{"top1": [1, 5]}, {"top1": [3]}])
+    assert agree == pytest.approx(2 / 3)
     with pytest.raises(ValueError, match="t: 3 vs 2 positions"):
         vs.logprob_diff([[-1.0, -2.0], [-3.0]], [[-1.0], [-3.0]], "t")
     for bad in (float("nan"), float("inf")):
