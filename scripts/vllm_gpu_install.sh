@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, first thing in every call that carries a .vllmN folder (or needs vLLM):
 #
-#   bash scripts/vllm_gpu_install.sh [--require]
+#   bash scripts/vllm_gpu_install.sh [--require] [--stage DIR] [--site DIR]
 #
 # Moves the bundle part(s) this call carried (.vllm0/part0, .vllm1/part1, ... made by scripts/vllm_gpu_wheels.sh)
 # to /tmp/vllm-parts: a later call's carry replaces the carried folders, and what lies under /tmp stays while the
@@ -16,9 +16,16 @@
 set -uo pipefail
 
 REQUIRE=0
-[ "${1:-}" = "--require" ] && REQUIRE=1
-STAGE=${QWEN35_VLLM_STAGE:-/tmp/vllm-parts}
-SITE=${QWEN35_VLLM_SITE:-/tmp/site}
+STAGE=/tmp/vllm-parts
+SITE=/tmp/site
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --require) REQUIRE=1; shift ;;
+    --stage) STAGE=$2; shift 2 ;;
+    --site) SITE=$2; shift 2 ;;
+    *) echo "vllm_gpu_install.sh: unknown argument $1 (accepted: --require, --stage DIR, --site DIR)" >&2; exit 2 ;;
+  esac
+done
 MARK="$SITE/.qwen35-vllm-bundle"
 T0=$(date +%s.%N)
 now() { date +%s.%N; }

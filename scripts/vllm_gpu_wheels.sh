@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Prepare vLLM 0.26.0 for the GPU machine (run here, where PyPI is reachable; the GPU machine reaches nothing).
 #
-#   bash scripts/vllm_gpu_wheels.sh [--out REPO_ROOT] [--part-mib 57] [--keep-fa2]
+#   bash scripts/vllm_gpu_wheels.sh [--out REPO_ROOT] [--part-mib 57] [--keep-fa2] [--cache DIR]
 #
 # 1. downloads the cp312 manylinux wheels of scripts/vllm_gpu_requirements.txt (vLLM 0.26.0 and only what the GPU
-#    image lacks; cached under $QWEN35_BUNDLE_CACHE, default /tmp/qwen35-vllm-bundle);
+#    image lacks; cached under --cache, default /tmp/qwen35-vllm-bundle);
 # 2. installs them here into a site tree for python 3.12 (pip --target --python-version 3.12 --platform ...: no
 #    interpreter of that version is needed), then drops what a Hopper text-only serve never loads: FlashAttention 2's
 #    extension (305 MB; vLLM picks FA3 on sm90, FA2 only on other GPUs; --keep-fa2 keeps it), the Rust front end
@@ -22,13 +22,15 @@ HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 OUT=$(git -C "$HERE" rev-parse --show-toplevel)
 PART_MIB=57
 KEEP_FA2=0
+CACHE=/tmp/qwen35-vllm-bundle
 while [ $# -gt 0 ]; do
   case "$1" in
     --out) OUT=$(cd "$2" && pwd); shift 2 ;;
     --part-mib) PART_MIB=$2; shift 2 ;;
     --keep-fa2) KEEP_FA2=1; shift ;;
+    --cache) CACHE=$2; shift 2 ;;
     -h|--help) sed -n 2,20p "${BASH_SOURCE[0]}"; exit 0 ;;
-    *) echo "vllm_gpu_wheels.sh: unknown argument $1 (accepted: --out DIR, --part-mib N, --keep-fa2)" >&2; exit 2 ;;
+    *) echo "vllm_gpu_wheels.sh: unknown argument $1 (accepted: --out DIR, --part-mib N, --keep-fa2, --cache DIR)" >&2; exit 2 ;;
   esac
 done
 case "$PART_MIB" in ''|*[!0-9]*) echo "vllm_gpu_wheels.sh: --part-mib must be a whole number of MiB, got '$PART_MIB'" >&2; exit 2 ;; esac
@@ -37,7 +39,6 @@ if [ "$PART_MIB" -lt 8 ] || [ "$PART_MIB" -gt 58 ]; then
   exit 2
 fi
 REQS="$HERE/vllm_gpu_requirements.txt"
-CACHE=${QWEN35_BUNDLE_CACHE:-/tmp/qwen35-vllm-bundle}
 PY=${PYTHON:-python3}
 PLATFORM=(--only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 --abi abi3 --abi none
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64

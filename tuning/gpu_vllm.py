@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import random
 import subprocess
 import sys
@@ -52,7 +51,9 @@ SERVER_ARGS = ["--dtype", "bfloat16", "--max-model-len", "32768", "--max-num-seq
                "--gdn-prefill-backend", "triton", "--enable-prompt-tokens-details", "--enable-auto-tool-choice",
                "--tool-call-parser", "qwen3_coder", "--seed", "0", "--disable-uvicorn-access-log"]
 AGREE_PROMPTS, AGREE_NEW = 32, 64
-WORK = Path(os.environ.get("QWEN35_GPU_VLLM_WORK", "/tmp/gpu_vllm"))
+WORK = Path("/tmp/gpu_vllm")  # checkpoint, request sets, logs (kept for a follow-up run on the same machine)
+# server log lines kept in the results: what each engine chose for graphs, compilation and its kernels
+NOTES = r"cudagraph|CUDAGraph|CUDA graph|[Aa]ttention backend|GDN prefill|MoE backend|torch.compile|[Gg]raph capturing"
 
 
 class Run:
@@ -196,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default %(default)s)")
     ap.add_argument("--quick", action="store_true", help="smaller request sets")
     ap.add_argument("--profile", action="store_true", help="torch-profiler windows (decode, prefill) per engine")
-    ap.add_argument("--skip", default="", help="comma-separated phases to leave out: agree,throughput,eager,hf")
+    ap.add_argument("--skip", default="", help="comma-separated phases to leave out: agree,throughput,eager,hf "
+                    "(skipping agree and throughput starts no graph servers; hf then compares the answers an earlier "
+                    "run saved)")
     args = ap.parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
     unknown = skip - {"agree", "throughput", "eager", "hf"}
@@ -245,8 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                 if s.ready_s is not None:
                     run.add(s.engine, mode, "startup_s", s.ready_s)
                     run.log(f"{s.name} up in {s.ready_s:.1f} s")
-                run.meta.setdefault("server_notes", {})[s.name] = s.log_lines(
-                    r"cudagraph|CUDAGraph|[Aa]ttention backend|GDN prefill|MoE backend|torch.compile|Capturing")[-8:]
+                run.meta.setdefault("server_notes", {})[s.name] = s.log_lines(NOTES)[-10:]
         for s in servers:  # warm-up: kernels for the first real shapes, not timed
             vs.replay(s, state["sets"]["decode_c1"][0], 1, WORK / f"warm_{s.name}.json")
 
@@ -294,20 +296,38 @@ def main(argv: list[str] | None = None) -> int:
 
     def eager_and_hf() -> None:
         hf = None
-        if "hf" not in skip and "tf" in state:
+        if "hf" not in skip and "tf" in state:  # the fp32 reference loads while the eager servers start
             job = WORK / "hf_job.json"
             job.write_text(json.dumps({"ckpt": str(state["ckpt"]), "prompts": state["prompts"]}))
             hf = subprocess.Popen([sys.executable, "-m", "tuning.gpu_vllm_hf", str(job), str(WORK / "hf.json")],
                                   stdout=open(WORK / "logs" / "hf.log", "w"), stderr=subprocess.STDOUT,
                                   env=vs.engine_env("native"), cwd=str(Path(__file__).resolve().parent.parent))
+        try:
+            if "eager" not in skip:
+                start("eager", ["--enforce-eager"])
+            if hf is not None:  # done before anything is timed on the eager servers
+                hf.wait(timeout=max(30.0, run.left() - 60))
+                if hf.returncode != 0 or not (WORK / "hf.json").is_file():
+                    raise RuntimeError(f"HF reference failed (rc {hf.returncode}): "
+                                       f"{(WORK / 'logs' / 'hf.log').read_text()[-2000:]}")
+                ref = json.loads((WORK / "hf.json").read_text())
+                run.meta["hf_seconds"] = ref["seconds"]
+                for engine in vs.ENGINES:
+                    d = vs.logprob_diff([r["logprobs"] for r in state["tf"][engine]], ref["logprobs"],
+                                        engine + " vs HF")
+                    for k in ("mean_abs", "p99_abs", "max_abs"):
+                        run.add(engine, "agree_vs_hf_fp32", f"tf_logprob_{k}", d[k])
+                run.write()
+        finally:
+            if hf is not None and hf.poll() is None:
+                hf.kill()
         if "eager" not in skip:
-            start("eager", ["--enforce-eager"])
+            from serve.bench.generate import read_requests, write_requests
+
             e = state["eager"]
             if "greedy" in state:
                 ours_eager = vs.greedy(e["ours"], state["prompts"], AGREE_NEW)
                 agreement_rows(run, "agree_graphs_vs_eager", state["greedy"]["ours"], ours_eager)
-            from serve.bench.generate import read_requests, write_requests
-
             short = WORK / "decode_eager.jsonl"  # eager steps are slow: 64 streams x 256 tokens
             write_requests(short, [{**b, "max_tokens": 256} for b in read_requests(state["sets"]["decode"][0])[:64]])
             for mix, (path, conc) in (("decode_c1", state["sets"]["decode_c1"]), ("decode", (short, 64))):
@@ -316,23 +336,18 @@ def main(argv: list[str] | None = None) -> int:
                     for metric in ("itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "output_tps", "score"):
                         run.add(engine, f"{mix}_eager", metric, vs.replay_metrics(summary)[metric])
             stop("eager")
-        if hf is not None:
-            hf.wait(timeout=max(30.0, run.left()))
-            if hf.returncode != 0 or not (WORK / "hf.json").is_file():
-                raise RuntimeError(f"HF reference failed (rc {hf.returncode}): "
-                                   f"{(WORK / 'logs' / 'hf.log').read_text()[-2000:]}")
-            ref = json.loads((WORK / "hf.json").read_text())
-            run.meta["hf_seconds"] = ref["seconds"]
-            for engine in vs.ENGINES:
-                d = vs.logprob_diff([r["logprobs"] for r in state["tf"][engine]], ref["logprobs"], engine + " vs HF")
-                for k in ("mean_abs", "p99_abs", "max_abs"):
-                    run.add(engine, "agree_vs_hf_fp32", f"tf_logprob_{k}", d[k])
 
     try:
         if not run.phase("ckpt", 60, ckpt):
             return 1
-        if not run.phase("start", 150, lambda: start("graphs", [])):
-            return 1
+        if not {"agree", "throughput"} <= skip or args.profile:
+            if not run.phase("start", 150, lambda: start("graphs", [])):
+                return 1
+        elif (WORK / "agree.json").is_file():  # a follow-up run: the graph servers' answers of an earlier one
+            saved = json.loads((WORK / "agree.json").read_text())
+            if saved["prompts"] == state["prompts"]:
+                state["tf"], state["greedy"] = saved["tf"], saved["greedy"]
+                run.meta["agree_from"] = str(WORK / "agree.json")
         if "agree" not in skip:
             run.phase("agree", 30, agree)
         if "throughput" not in skip:
