@@ -4,8 +4,8 @@ Host cost matters here (short prompts at TP4/TP8 are host-bound): one workspace 
 stream for batches of at most ``CHUNK`` tokens), plans cached (:mod:`.plan`), kernels launched through
 :class:`~kernels_triton._launch.DirectLauncher` with their arguments as named tuples (:mod:`.prepare`, :mod:`.scan`):
 the call's values in the kernel's parameter order, then the plan's tail (built by name once per plan); a part's
-arguments are the call's with fields replaced by name. Building every launch's arguments by keyword would cost about
-as much host time as the rest of a short call's Python work (measured on a CPU: ~5 µs against ~9).
+arguments are the call's with fields replaced by name. Building a launch's arguments by keyword instead costs ~2.3 µs
+against ~0.6 in order, of ~8.5 µs of Python work in a short call (measured on a CPU, 30 parameters).
 """
 
 from __future__ import annotations
