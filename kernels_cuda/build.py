@@ -21,8 +21,9 @@ Compiler (:func:`find_toolkit`), first found of:
 - ``CUDA_HOME`` / ``CUDA_PATH`` ``/bin/nvcc``, then ``nvcc`` on ``PATH``, then ``/usr/local/cuda/bin/nvcc``;
 - CoreX's ``/usr/local/corex/bin/clang++`` (Iluvatar).
 
-nvcc flags: ``-O3 -std=c++17 --use_fast_math`` is *not* used (exp / rsqrt keep IEEE accuracy);
-``-O3 -lineinfo`` plus the gencode above. CoreX clang++ (Iluvatar, a CUDA-compatible clang) gets
+nvcc flags: ``-O3 -lineinfo`` plus the gencode above (no ``--use_fast_math``: exp and rsqrt keep their IEEE
+accuracy), on top of torch's own (``-std=c++17``/``20``, ``--expt-relaxed-constexpr``, no implicit half
+conversions). CoreX clang++ (Iluvatar, a CUDA-compatible clang) gets
 ``-x ivcore --cuda-gpu-arch=<QWEN35_COREX_ARCH, default ivcore10> --cuda-path=/usr/local/corex
 --no-cuda-version-check -O3`` and is handed to torch as the CUDA compiler through ``PYTORCH_NVCC``; this relies
 on CoreX's torch build accepting a clang driver there (contract-documented, not hardware-verified).
@@ -209,7 +210,8 @@ def source_hash(files: list[Path] | None = None) -> str:
 def cache_key(src_hash: str, arch: int, toolkit: Toolkit, torch_version: str, device_cc: int | None) -> str:
     """Key of one build: sources x arch (with or without device SASS) x toolkit x torch."""
     sass = device_cc == arch
-    text = f"{src_hash}|arch={arch}|sass={sass}|{toolkit.kind}|{toolkit.version}|{toolkit.compiler}|torch={torch_version}"
+    text = (f"{src_hash}|arch={arch}|sass={sass}|{toolkit.kind}|{toolkit.version}|{toolkit.compiler}"
+            f"|torch={torch_version}")
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
