@@ -95,7 +95,7 @@ __device__ int block_scan(int v, int* warp_tot, int* total) {
   }
   if (lane == kWarp - 1) warp_tot[warp] = v;
   __syncthreads();
-  if (warp == 0) {
+  if (warp == 0) {  // the warp totals scanned by one warp of 32 lanes (kWarps <= 32)
     int w = lane < kWarps ? warp_tot[lane] : 0;
 #pragma unroll
     for (int o = 1; o < kWarp; o <<= 1) {

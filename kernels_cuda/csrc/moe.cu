@@ -42,7 +42,8 @@ __global__ void __launch_bounds__(128) moe_route_kernel(FPtr logits, float* __re
     mx = fmaxf(mx, val[i]);
   }
 #pragma unroll
-  for (int o = kWarp / 2; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  for (int o = kWarp / 2; o > 0; o >>= 1)  // butterfly over 32 lanes
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
   float sum = 0.0f;
 #pragma unroll
   for (int i = 0; i < EPL; ++i)
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(128) moe_route_kernel(FPtr logits, float* __re
         best_e = e;
       }
     }
-    // warp argmax, ties to the lowest expert id
+    // warp argmax over 32 lanes, ties to the lowest expert id
 #pragma unroll
     for (int o = kWarp / 2; o > 0; o >>= 1) {
       const float ov = __shfl_xor_sync(0xffffffffu, best, o);
@@ -126,8 +127,8 @@ moe_align_kernel(const int32_t* __restrict__ ids, IPtr map, int picks, int E, in
     }
     if (lane == kWarp - 1) warp_tot[warp] = v;
     __syncthreads();
-    if (warp == 0) {
-      int w = warp_tot[lane];  // kAlignThreads / 32 == 32 warps
+    if (warp == 0) {  // 32 lanes scan the 32 warp totals (kAlignThreads / 32 == 32 warps)
+      int w = warp_tot[lane];
 #pragma unroll
       for (int o = 1; o < kWarp; o <<= 1) {
         const int n = __shfl_up_sync(0xffffffffu, w, o);
