@@ -117,7 +117,8 @@ __global__ void k(float* out, const float* in) {
   unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(s));
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" :: "r"(a), "l"(in));
   asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];" : "=r"(a) : "r"(a));
-  asm volatile("{ .reg .b32 r<4>; mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {r0,r1,r2,r3}, {r0,r1,r2,r3}, {r0,r1}, {r0,r1,r2,r3}; }");
+  asm volatile("{ .reg .b32 r<4>; mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+               "{r0,r1,r2,r3}, {r0,r1,r2,r3}, {r0,r1}, {r0,r1,r2,r3}; }");
   asm volatile("{ .reg .b32 x; fma.rn.bf16x2 x, x, x, x; }");
   out[threadIdx.x] = s[threadIdx.x] + a;
 }
