@@ -64,7 +64,7 @@ def availability(caps) -> str | None:  # noqa: ANN001 - qwen35.probe.DeviceCaps
     if caps.vendor == "cpu":
         return "needs a CUDA device"
     if caps.vendor == "nvidia" and caps.capability is not None and tuple(caps.capability) < (7, 0):
-        return f"compute capability {caps.capability} < 7.0"
+        return "compute capability {}.{} < 7.0".format(*caps.capability)
     if caps.nvcc is None and caps.corex_clang is None and not os.environ.get(build.ENV_COMPILER):
         return "no CUDA toolchain (nvcc or CoreX clang) for the JIT build"
     if caps.ninja is None:

@@ -100,11 +100,13 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("QWEN35_CUDA_COMPILER", missing)
     with pytest.raises(build.CudaBuildError, match="does not exist"):
         build.load(torch.device(DEV))
+    monkeypatch.delenv("QWEN35_CUDA_COMPILER")
+    from dataclasses import replace
+
     from qwen35 import probe
 
     caps = probe.device_caps(DEV)
-    from dataclasses import replace
-
+    assert sm70.availability(caps) is None, sm70.availability(caps)
     assert "no CUDA toolchain" in sm70.availability(replace(caps, nvcc=None, corex_clang=None))
 
 
