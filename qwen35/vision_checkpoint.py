@@ -12,6 +12,7 @@ text loader's single pass over the safetensors shards can hand it every ``model.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Callable, Iterable
 
@@ -110,6 +111,30 @@ class VisionLoader:
         if problems:
             raise CheckpointError("; ".join(problems))
         return set(self.params)
+
+
+def random_vision_tensors(cfg: VisionConfig, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                          prefix: str = VISUAL_PREFIX) -> dict[str, torch.Tensor]:
+    """A seeded random tower under the checkpoint's names and shapes (tiny checkpoints, tests, benchmarks).
+
+    Scales keep activations of order one through any depth: LayerNorm weights near 1, biases and projections
+    small.
+    """
+    plan, g = VisionPlan(cfg), torch.Generator().manual_seed(seed)
+    out = {}
+    for name in plan.expected():
+        _, shape, _ = plan.rule(name)
+        if name.endswith("norm1.weight") or name.endswith("norm2.weight") or name == "merger.norm.weight":
+            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
+        elif len(shape) == 1:
+            t = 0.05 * torch.randn(shape, generator=g)
+        elif name == "pos_embed.weight":
+            t = 0.5 * torch.randn(shape, generator=g)
+        else:
+            fan_in = math.prod(shape[1:])
+            t = torch.randn(shape, generator=g) / math.sqrt(fan_in)
+        out[prefix + name] = t.to(dtype)
+    return out
 
 
 def load_vision_weights(tower: VisionTower, weights: Iterable[tuple[str, torch.Tensor]],
