@@ -188,7 +188,7 @@ def _not_accepted(data: bytes, limits: ImageLimits) -> str:
     try:
         fmt = Image.open(io.BytesIO(data)).format  # identifies the header only; nothing is decoded
     except Exception:  # noqa: BLE001 - any failure here means PIL knows no such image
-        return "the data is not an image (no image format recognises its header)"
+        return "the data is not an image, or its header is corrupt (no image format recognises it)"
     return f"unsupported image format {fmt}; accepted: {', '.join(limits.formats)}"
 
 
@@ -274,9 +274,16 @@ def preprocess_one(image: Image.Image, cfg: ImageProcessorConfig) -> tuple[np.nd
     """One RGB image -> (patch rows, its grid ``(1, h, w)`` in patches)."""
     h, w = smart_resize(image.height, image.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     resized = np.asarray(image.resize((w, h), resample=cfg.resample))
-    scaled = (resized.astype(np.float64) * (1 / 255)).astype(np.float32)
-    mean, std = np.asarray(cfg.image_mean, np.float32), np.asarray(cfg.image_std, np.float32)
-    return patchify((scaled - mean) / std, cfg), (1, h // cfg.patch_size, w // cfg.patch_size)
+    normalised = _normalisation_table(cfg.image_mean, cfg.image_std)[np.arange(3), resized]  # [h, w, 3]
+    return patchify(normalised, cfg), (1, h // cfg.patch_size, w // cfg.patch_size)
+
+
+def _normalisation_table(mean: Sequence[float], std: Sequence[float]) -> np.ndarray:
+    """``[3, 256]`` fp32: each channel's normalised value of every uint8 level, computed as HF computes a pixel
+    (``x * (1 / 255)`` in fp64, cast to fp32, then ``(x - mean) / std`` in fp32), so a lookup gives its bits."""
+    levels = (np.arange(256, dtype=np.float64) * (1 / 255)).astype(np.float32)
+    mean32, std32 = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+    return (levels[None, :] - mean32[:, None]) / std32[:, None]
 
 
 def preprocess(images: Sequence[bytes | str | Image.Image | np.ndarray],
