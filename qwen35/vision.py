@@ -336,11 +336,15 @@ class VisionTower(nn.Module):
         """Rotary cos/sin, attention runs and the resampled position embeddings (fp32) of one forward."""
         m = self.cfg.spatial_merge_size
         angles, pos, runs, start = [], [], [], 0
+        per_size: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # a batch often repeats a size
         for t, h, w in grids:
-            rows, cols = block_order(h, w, m, device)
-            freqs = torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1)
+            if (h, w) not in per_size:
+                rows, cols = block_order(h, w, m, device)
+                freqs = torch.cat([rows[:, None] * self.inv_freq, cols[:, None] * self.inv_freq], dim=-1)
+                per_size[h, w] = freqs, self._position_embedding(h, w, rows, cols)
+            freqs, embedding = per_size[h, w]
             angles.append(freqs.repeat(t, 1))
-            pos.append(self._position_embedding(h, w, rows, cols).repeat(t, 1))
+            pos.append(embedding.repeat(t, 1))
             if runs and runs[-1][2] == h * w:  # same frame size as the run before: join it
                 first, frames, length = runs[-1]
                 runs[-1] = (first, frames + t, length)
