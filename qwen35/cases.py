@@ -17,6 +17,9 @@ from qwen35.reference.moe import moe_route as _reference_route
 
 @dataclass
 class Case:
+    """An op's arguments, by name (tensors on the probed device, activations in the compute dtype), and the
+    ones it updates in place, which the self-test compares too."""
+
     kwargs: dict
     mutated: list[str] = field(default_factory=list)  # kwargs the op updates in place (pools)
 
