@@ -244,7 +244,6 @@ def plan(device_cc: int | None, env: dict | None = None, toolkit: Toolkit | None
         corex_arch = env.get(ENV_COREX_ARCH, "ivcore10")
         cuda_flags = [*COREX_FLAGS, f"--cuda-gpu-arch={corex_arch}", f"--cuda-path={tk.home}"]
         build_env["PYTORCH_NVCC"] = tk.compiler
-    cuda_flags.append(f"-DQWEN35_TARGET_ARCH={arch}")
     return BuildPlan(name=f"qwen35_sm70_{key}", sources=sources, arch=arch, cuda_flags=tuple(cuda_flags),
                      cxx_flags=CXX_FLAGS, build_dir=str(cache_root(env) / key), key=key, toolkit=tk, env=build_env)
 
