@@ -88,6 +88,22 @@ inline Gating make_gating(const GatingArgs& a) {
                 FPtr{a.A_log, a.alog_half}, FPtr{a.dt_bias, a.dtb_half}, a.stride, a.raw};
 }
 
+// Raise `kernel`'s dynamic shared-memory limit to `bytes` on the current device (needed above 48 KB), once per
+// device: the attribute is per device, so a process that serves several GPUs sets it on each. `done` is the
+// kernel's own bit set of devices already raised (a benign race: two threads may both set it).
+template <typename Kern>
+inline cudaError_t smem_limit(Kern kernel, int bytes, unsigned long long& done) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  const unsigned long long bit = dev < 64 ? 1ull << dev : 0ull;
+  if (bit != 0 && (done & bit)) return cudaSuccess;
+  err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (err == cudaSuccess) done |= bit;
+  return err;
+}
+
 inline int cdiv(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
 }  // namespace q35

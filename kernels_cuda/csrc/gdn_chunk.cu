@@ -758,16 +758,11 @@ int pad_dim(int K, int V) {
   return m <= 32 ? 32 : m <= 64 ? 64 : m <= 128 ? 128 : -1;
 }
 
-template <typename Kern>
-cudaError_t allow_smem(Kern kernel, int bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-}
-
 template <typename T, int P>
 cudaError_t launch_prepare(const PrepArgs& a, int64_t blocks, cudaStream_t stream) {
   constexpr int bytes = PrepLayout<T, P>::bytes;
-  static const cudaError_t attr = allow_smem(gdn_prepare_kernel<T, P>, bytes);
+  static unsigned long long done = 0;
+  const cudaError_t attr = smem_limit(gdn_prepare_kernel<T, P>, bytes, done);
   if (attr != cudaSuccess) return attr;
   gdn_prepare_kernel<T, P><<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(a);
   return cudaGetLastError();
@@ -777,7 +772,8 @@ template <int P>
 cudaError_t launch_scan(int dtype, const ScanArgs& a, int64_t blocks, cudaStream_t stream) {
   if (dtype == kF16) {
     constexpr int bytes = ScanLayoutH<P>::bytes;
-    static const cudaError_t attr = allow_smem(gdn_scan_kernel_f16<P>, bytes);
+    static unsigned long long done = 0;
+    const cudaError_t attr = smem_limit(gdn_scan_kernel_f16<P>, bytes, done);
     if (attr != cudaSuccess) return attr;
     gdn_scan_kernel_f16<P><<<static_cast<unsigned>(blocks), kThreads, bytes, stream>>>(a);
   } else {

@@ -615,12 +615,13 @@ cudaError_t moe_down(int dtype, const void* h, const void* w2, void* y, const fl
   return cudaGetLastError();
 }
 
-// Launch a weight-streaming kernel with `bytes` of staged rows (its shared-memory limit raised once, to the SM70
-// budget).
+// Launch a weight-streaming kernel with `bytes` of staged rows (its shared-memory limit raised to the SM70 budget
+// once per device).
 template <void (*Kernel)(GemmArgs)>
 cudaError_t launch_gemv(dim3 grid, int bytes, const GemmArgs& g, cudaStream_t stream) {
   if (bytes > kMaxSmem) return cudaErrorInvalidValue;
-  static const cudaError_t attr = cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
+  static unsigned long long done = 0;
+  const cudaError_t attr = bytes > 48 * 1024 ? smem_limit(Kernel, kMaxSmem, done) : cudaSuccess;
   if (attr != cudaSuccess) return attr;
   Kernel<<<grid, kGemvThreads, bytes, stream>>>(g);
   return cudaGetLastError();
