@@ -230,6 +230,22 @@ def test_prefill_in_windows(built, dtype, monkeypatch):
                           what="windows")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=IDS)
+def test_prefill_correlated_keys(built, dtype):
+    """Strongly correlated keys (|z| + 1), beta near 1, no decay: the inverse's hard case (fp16 emulation on the CPU
+    gives 9e-4, tests/test_cuda_sm70_algorithm.py)."""
+    T, H, HV, K, V = 2000, 2, 4, 128, 128
+    gen = torch.Generator(device=DEV).manual_seed(81)
+    keys = (torch.randn(T, H, K, generator=gen, device=DEV).abs() + 1).to(dtype)
+    d = dict(q=_rand(gen, T, H, K, dtype=dtype), k=keys,
+             v=_rand(gen, T, HV, V, dtype=dtype), g=torch.zeros(T, HV, device=DEV),
+             beta=(0.95 + 0.05 * torch.rand(T, HV, generator=gen, device=DEV)).to(dtype))
+    o, ht = sm70.gdn_chunk_prefill(**d, output_final_state=True, use_qk_l2norm=True)
+    ro, rht = ref.gdn_chunk_prefill(**_f64(d), output_final_state=True, use_qk_l2norm=True)
+    assert_close(o, ro, GDN_TOL[dtype], f"correlated keys output {dtype}")
+    assert_close(ht, rht, GDN_TOL[dtype], f"correlated keys state {dtype}")
+
+
 def test_prefill_strong_decay_16384_is_finite(built):
     """g down to -20 per token over 16384 tokens: no inf or NaN anywhere, and the reference's values."""
     T, H, HV, K, V = 16384, 2, 4, 128, 128
