@@ -523,6 +523,8 @@ class Qwen35Standalone:
 
         ``all_logits=False``: ``[N, vocab]``, the last new token of each sequence (input order).
         ``all_logits=True``: ``[sum of new tokens, vocab]`` in input order.
+        A slot given images by :meth:`attach_images` takes the ids it returned, in any chunks: the image rows
+        and multi-axis positions of each chunk come from the slot.
         """
         ids, batch, rows = self._layout(slots, tokens, all_logits)
         self.host.batch = batch
