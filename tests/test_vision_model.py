@@ -26,7 +26,7 @@ from qwen35.tiny import TinySpec, checkpoint_tensors, config_json, write_checkpo
 
 transformers = pytest.importorskip("transformers")
 
-TOL = 1e-4  # fp32 both sides; measured 5e-6 (prefill) and <1e-6 (decode) on the dense tiny model
+TOL = 1e-4  # fp32 both sides; measured prefill 2e-6 (dense) / 3e-6 (MoE), decode <= 3.4e-6
 STEP_TOL = 1e-5  # our own host against itself: batched / chunked vs alone (as tests/test_standalone.py)
 DECODE_STEPS = 8
 RAW = config_json(TinySpec(conditional=True))
