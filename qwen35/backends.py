@@ -1,10 +1,11 @@
 """Backend registry: a small record per implementation of the op set.
 
-A backend is a module that defines some or all of the façade's op functions (same names, same
-signatures as :mod:`qwen35.reference`) and a function ``availability(caps) -> str | None`` that
-returns ``None`` when it can run on the probed device, else the reason it cannot. Ops a backend
-does not define fall back to the next backend in the policy (see :mod:`qwen35.probe`).
-Modules are imported only when the probe considers them, so importing :mod:`qwen35` pulls in
+A backend is a module that defines some or all of the ops of the op table (:mod:`qwen35.optable`), each as
+a function with the op's name and the signature of its reference, and a function
+``availability(caps) -> str | None`` that returns ``None`` when it can run on the probed device, else the
+reason it cannot. Ops a backend does not define fall back to the next backend in the policy (see
+:mod:`qwen35.probe`).
+Backend modules are imported only when the probe considers them, so importing :mod:`qwen35` pulls in
 nothing beyond torch.
 """
 
@@ -15,20 +16,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
-OPS: tuple[str, ...] = (
-    "gdn_chunk_prefill",
-    "gdn_recurrent_step",
-    "causal_conv1d_prefill",
-    "causal_conv1d_update",
-    "rms_norm_gated",
-    "rms_norm_zero_centered",
-    "moe_route",
-    "moe_experts",
-    "moe_block",
-    "attention_decode",
-    "qk_norm_rope",
-    "sigmoid_gate_mul",
-)
+from qwen35 import optable
+
+OPS: tuple[str, ...] = optable.NAMES  # the op names, in the table's order
 
 
 @dataclass(frozen=True)

@@ -245,7 +245,8 @@ class GatedDeltaNet(nn.Module):
     below), each convolved on its own channels, so that no copy sits between the convolution and
     the delta rule. Long inputs multiply by row blocks of ``in_proj``, landing every product
     contiguous (slicing the columns of one wide product costs five strided copies per layer, about
-    a tenth of a 1x8192 prefill); a few tokens take one product and small copies (fewer launches).
+    a tenth of a 1x8192 prefill: tuning/notes_model.md); a few tokens take one product and small copies
+    (fewer launches).
     """
 
     def __init__(self, cfg: Qwen35Config, layer_idx: int, sh: Shards, host: Host, *, dtype, device):

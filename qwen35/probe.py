@@ -14,6 +14,10 @@ Overrides (read at selection time; :func:`reset` forgets earlier choices):
 
 A forced backend that cannot import, cannot run here or fails its self-test raises
 ``RuntimeError``: an explicit request is never silently replaced.
+
+Switches are read through :mod:`qwen35.knobs`. The first choice a process makes logs one WARNING for any
+``QWEN35_*`` variable that no knob declares (a misspelt switch would otherwise do nothing), and the report
+(``qwen35-probe``, text or ``--json``) lists the switches that are set.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from qwen35 import backends, selftest
+from qwen35 import backends, knobs, optable, selftest
 
 log = logging.getLogger("qwen35.probe")
 
@@ -235,11 +239,24 @@ def reset() -> None:
 
 
 def _forced(op: str) -> tuple[str | None, str]:
-    per_op = os.environ.get(f"QWEN35_BACKEND_{op.upper()}")
-    if per_op:
-        return per_op, f"QWEN35_BACKEND_{op.upper()}"
-    glob = os.environ.get("QWEN35_BACKEND")
-    return (glob, "QWEN35_BACKEND") if glob else (None, "")
+    """(backend, the switch that asks for it), or (None, "") when no override names one for ``op``."""
+    per_op = f"QWEN35_BACKEND_{op.upper()}"
+    for switch in (per_op, "QWEN35_BACKEND"):
+        name = knobs.get(switch)
+        if name:
+            return name, switch
+    return None, ""
+
+
+_SWITCHES_CHECKED = False
+
+
+def _check_switches_once() -> None:
+    """One WARNING per process for undeclared QWEN35_* variables, when the first choice is made."""
+    global _SWITCHES_CHECKED
+    if not _SWITCHES_CHECKED:
+        _SWITCHES_CHECKED = True
+        knobs.warn_unknown()
 
 
 def _try(name: str, op: str, caps: DeviceCaps) -> tuple[object | None, str, float | None]:
@@ -262,7 +279,7 @@ def _try(name: str, op: str, caps: DeviceCaps) -> tuple[object | None, str, floa
         err = selftest.check(op, fn, torch.device(caps.device), dtype)
     except Exception as e:  # noqa: BLE001 - a crash in the self-test is a failed self-test
         return None, f"self-test raised {type(e).__name__}: {str(e)[:300]}", None
-    tol = selftest.TOLERANCE[dtype]
+    tol = selftest.tolerance(op, dtype)
     if not (err <= tol):  # also catches NaN
         return None, f"self-test rel err {err:.3g} > {tol:g} ({str(dtype).replace('torch.', '')})", err
     return fn, f"self-test rel err {err:.2g} <= {tol:g} ({str(dtype).replace('torch.', '')})", err
@@ -270,11 +287,11 @@ def _try(name: str, op: str, caps: DeviceCaps) -> tuple[object | None, str, floa
 
 def choose(op: str, device: torch.device | str | None = None) -> Choice:
     """The backend ``op`` uses on ``device``, chosen once and cached (see module docstring)."""
-    if op not in backends.OPS:
-        raise ValueError(f"unknown op {op!r}; ops: {', '.join(backends.OPS)}")
+    optable.get(op)  # ValueError for unknown ops, listing the table's
     key = (op, _device_key(device))
     if key in _CHOICES:
         return _CHOICES[key]
+    _check_switches_once()
     caps = device_caps(key[1])
     forced, source = _forced(op)
     rejected: list[tuple[str, str]] = []
@@ -338,12 +355,13 @@ def implementation(op: str, device: torch.device) -> object:
 
 
 def report(device: torch.device | str | None = None) -> dict:
-    """Device facts and the choice for every op, as plain data."""
+    """Device facts, the choice for every op of the table, and the ``QWEN35_*`` switches set (declared ones with
+    their values; undeclared ones, which nothing reads, by name), as plain data."""
     caps = device_caps(device)
-    rows = [asdict(choose(op, caps.device)) for op in backends.OPS]
+    rows = [asdict(choose(op, caps.device)) for op in optable.NAMES]
     facts = asdict(caps)
     facts["platform"] = caps.platform
-    return {"device": facts, "ops": rows}
+    return {"device": facts, "switches": knobs.active(), "unknown_switches": knobs.unknown(), "ops": rows}
 
 
 def format_report(rep: dict) -> str:
@@ -355,6 +373,11 @@ def format_report(rep: dict) -> str:
         f"triton   {d['triton_version'] or 'absent'}  runs={d['triton_runs']}  ({d['triton_note']})",
         f"toolch.  nvcc={d['nvcc'] or '-'}  corex-clang={d['corex_clang'] or '-'}  ninja={d['ninja'] or '-'}",
         f"ixformer {d['ixformer_version'] or 'absent'}  {', '.join(d['ixformer_functions']) or ''}".rstrip(),
+        "switches " + ("  ".join(f"{k}={v}" for k, v in rep["switches"].items()) or "none set"),
+    ]
+    if rep["unknown_switches"]:
+        lines.append(f"         unknown (ignored): {'  '.join(rep['unknown_switches'])}")
+    lines += [
         "",
         f"{'op':<24} {'backend':<10} reason",
         f"{'-' * 24} {'-' * 10} {'-' * 40}",

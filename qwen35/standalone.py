@@ -45,11 +45,10 @@ class _Batch:
 
 
 # SDPA kernels for prefill shapes that change from step to step (continued prefills). cuDNN's kernel is
-# left out there: it builds an execution plan per new shape (H200, torch 2.11: 70 ms, over 1 s for the
-# first), which made eager decode cost 60-80 ms a step when decode still went through SDPA. Where shapes
-# come from a small fixed set (fresh prompts padded to PREFILL_BUCKET) torch's own choice stands, cuDNN
-# first on Hopper: 0.85 ms against flash's 1.9 ms for a 1x8192 causal prefill at 16 heads of 256.
-# Decode rows use ops.attention_decode.
+# left out there: it builds an execution plan per new shape (~70 ms each on an H200 with torch 2.11; see
+# tuning/notes_model.md). Where shapes come from a small fixed set (fresh prompts padded to PREFILL_BUCKET)
+# torch's own choice stands, cuDNN first on Hopper (0.85 ms against flash's 1.9 ms for a 1x8192 causal
+# prefill at 16 heads of 256). Decode rows use ops.attention_decode.
 VARYING_SHAPE_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
 PREFILL_BUCKET = 256  # fresh prompts are padded to a multiple of this many tokens for attention
 
@@ -277,8 +276,8 @@ class Qwen35Standalone:
         """(token ids ``[T]``, the step's layout, the rows of the hidden states whose logits :meth:`step` returns).
 
         Everything the device needs, the GDN chunk table included, is computed on the host in one int32 buffer
-        and sent with one pinned, asynchronous copy: on the lent H200's virtualised host each transfer cost
-        ~0.15-0.2 ms of host time with the device idle at the start of a prefill (it used to take three).
+        and sent with one pinned, asynchronous copy: on a virtualised host each transfer costs ~0.15-0.2 ms of
+        host time with the device idle at the start of a prefill (tuning/notes_model.md).
         Every check on the request runs here, before anything is launched. Work over the tokens is numpy's;
         Python loops run over sequences.
         """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 import types
@@ -138,11 +139,62 @@ def test_choice_is_cached(fresh_probe, monkeypatch):
     assert fresh_probe.choose("moe_block", "cpu") is first
 
 
+def _clean_env(**switches: str) -> dict[str, str]:
+    """This process's environment without any QWEN35_* variable, plus ``switches``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QWEN35_")}
+    env.update(switches)
+    return env
+
+
+def _probe_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "qwen35.probe", *args], capture_output=True, text=True, check=True,
+                          env=env)
+
+
 def test_cli_table_and_json():
-    env_cmd = [sys.executable, "-m", "qwen35.probe"]
-    table = subprocess.run(env_cmd, capture_output=True, text=True, check=True).stdout
+    run = _probe_cli(env=_clean_env())
+    table = run.stdout
     assert "gdn_chunk_prefill" in table and "reference" in table and "vendor=cpu" in table
-    doc = json.loads(subprocess.run([*env_cmd, "--json"], capture_output=True, text=True, check=True).stdout)
-    assert {r["op"] for r in doc["ops"]} == set(backends.OPS)
+    assert "switches none set" in table and "WARNING" not in run.stderr
+    doc = json.loads(_probe_cli("--json", env=_clean_env()).stdout)
+    assert [r["op"] for r in doc["ops"]] == list(backends.OPS)
     assert all(r["backend"] == "reference" and r["reason"] for r in doc["ops"])
     assert doc["device"]["vendor"] == "cpu"
+    assert doc["switches"] == {} and doc["unknown_switches"] == []
+
+
+def test_cli_lists_active_switches_and_warns_once_about_unknown_ones():
+    """A real ``python -m qwen35.probe`` run: the switches set are printed (text and JSON) and act; a misspelt
+    QWEN35_* variable gets exactly one WARNING that names it and the known switches."""
+    env = _clean_env(QWEN35_BACKEND="reference", QWEN35_CHECK_VALUES="0", QWEN35_MOE_PLD="1")
+    for args in ((), ("--json",)):
+        run = _probe_cli(*args, env=env)
+        warnings = [line for line in run.stderr.splitlines() if line.startswith("WARNING")]
+        assert len(warnings) == 1, run.stderr
+        assert "unknown switch QWEN35_MOE_PLD" in warnings[0]
+        assert "known: QWEN35_BACKEND, QWEN35_BACKEND_<OP>" in warnings[0] and "QWEN35_MOE_PDL" in warnings[0]
+        if args:
+            doc = json.loads(run.stdout)
+            assert doc["switches"] == {"QWEN35_BACKEND": "reference", "QWEN35_CHECK_VALUES": "0"}
+            assert doc["unknown_switches"] == ["QWEN35_MOE_PLD"]
+            assert all(r["reason"].startswith("forced by QWEN35_BACKEND") for r in doc["ops"])
+        else:
+            assert "switches QWEN35_BACKEND=reference  QWEN35_CHECK_VALUES=0" in run.stdout
+            assert "unknown (ignored): QWEN35_MOE_PLD" in run.stdout
+            assert "forced by QWEN35_BACKEND" in run.stdout
+
+
+def test_first_choice_warns_once_per_process(fresh_probe, monkeypatch, caplog):
+    from qwen35 import knobs
+
+    monkeypatch.setattr(knobs, "_WARNED", set())
+    monkeypatch.setattr(fresh_probe, "_SWITCHES_CHECKED", False)
+    monkeypatch.setenv("QWEN35_BAKEND", "reference")  # misspelt
+    with caplog.at_level(logging.WARNING, logger="qwen35"):
+        for op in ("moe_route", "moe_block", "rms_norm_gated"):
+            fresh_probe.choose(op, "cpu")
+        fresh_probe.reset()
+        fresh_probe.choose("moe_route", "cpu")
+    warned = [r.getMessage() for r in caplog.records if "unknown switch" in r.getMessage()]
+    assert len(warned) == 1 and "QWEN35_BAKEND" in warned[0] and "QWEN35_BACKEND" in warned[0], warned
+
