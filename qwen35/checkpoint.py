@@ -2,7 +2,9 @@
 
 Checkpoint names are those of HF's Qwen3.5 classes, under ``model.`` (``*ForCausalLM``) or
 ``model.language_model.`` (``*ForConditionalGeneration``; either prefix is accepted for either
-class). ``model.visual.*`` and ``mtp.*`` are skipped with one INFO line. Routed experts come
+class). ``model.visual.*`` goes to the vision tower when the host passes one
+(:class:`qwen35.vision_checkpoint.VisionLoader`, same error rules); otherwise it is skipped, as
+``mtp.*`` always is, with one INFO line. Routed experts come
 either fused (``mlp.experts.gate_up_proj [E, 2I, H]`` / ``mlp.experts.down_proj [E, H, I]``,
 as transformers 5 stores them) or per expert (``mlp.experts.<e>.{gate,up,down}_proj.weight``,
 as the hub checkpoints do).
@@ -20,16 +22,21 @@ import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from qwen35.config import Qwen35Config
 from qwen35.model import Parallel, Qwen35Model, Shards
 
+if TYPE_CHECKING:
+    from qwen35.vision import VisionTower
+
 log = logging.getLogger("qwen35.checkpoint")
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
-SKIPPED_PREFIXES = ("model.visual.", "mtp.")
+VISUAL_PREFIX = "model.visual."
+SKIPPED_PREFIXES = (VISUAL_PREFIX, "mtp.")
 MAX_NAMES_IN_ERROR = 20
 
 
@@ -265,11 +272,12 @@ def strip_text_prefix(name: str) -> str | None:
 
 
 def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]],
-                 logger: logging.Logger | None = None) -> set[str]:
-    """Copy checkpoint tensors into ``model``; returns the names of the parameters filled.
+                 logger: logging.Logger | None = None, visual: VisionTower | None = None) -> set[str]:
+    """Copy checkpoint tensors into ``model`` (and ``model.visual.*`` into ``visual`` when given); returns the
+    names of the parameters filled (the tower's as ``visual.<name>``).
 
-    Raises :class:`CheckpointError` for unknown tensors, wrong shapes and missing tensors.
-    ``logger`` (default ``qwen35.checkpoint``) gets the one INFO line about skipped tensors.
+    Raises :class:`CheckpointError` for unknown tensors, wrong shapes and missing tensors, the tower's
+    included. ``logger`` (default ``qwen35.checkpoint``) gets the one INFO line about skipped tensors.
     """
     plan = Plan(model.cfg, model.par)
     params = dict(model.named_parameters())
@@ -277,7 +285,15 @@ def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]]
     unknown: list[str] = []
     skipped = 0
     prefix = "model." if not model.cfg.nested_text else "model.language_model."
+    vision = None
+    if visual is not None:
+        from qwen35.vision_checkpoint import VisionLoader  # it imports this module
+
+        vision = VisionLoader(visual, VISUAL_PREFIX)
     for raw_name, tensor in weights:
+        if vision is not None and raw_name.startswith(VISUAL_PREFIX):
+            vision.add(raw_name, tensor)
+            continue
         name = strip_text_prefix(raw_name)
         if name is None:
             skipped += 1
@@ -299,18 +315,26 @@ def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]]
                                   f"{list(rule.shape)} (parameter {rule.param})")
         _copy(params[rule.param], rule, tensor)
         seen.add(name)
-    if skipped:
+    if skipped and vision is None:
         (logger or log).info("qwen35: skipped %d vision / MTP tensors (model.visual.*, mtp.*): text-only model",
                              skipped)
+    elif skipped:
+        (logger or log).info("qwen35: skipped %d MTP tensors (mtp.*)", skipped)
     missing = [n if n == "lm_head.weight" else prefix + n for n in _missing(plan.expected(), seen)]
     problems = []
     if unknown:
         problems.append(f"unknown tensors (not part of a {model.cfg.architecture} text decoder): {_names(unknown)}")
     if missing:
         problems.append(f"missing tensors: {_names(missing)}")
+    filled = set(plan.expected())
+    if vision is not None:
+        try:
+            filled |= {"visual." + n for n in vision.finish()}
+        except CheckpointError as e:
+            problems.append(str(e))
     if problems:
         raise CheckpointError("; ".join(problems))
-    return set(plan.expected())
+    return filled
 
 
 def _copy(param: torch.Tensor, rule: Rule, tensor: torch.Tensor) -> None:
@@ -364,6 +388,6 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
                 yield name, f.get_tensor(name)
 
 
-def load_checkpoint(model: Qwen35Model, path: str | os.PathLike) -> set[str]:
-    """Load a checkpoint directory's safetensors into ``model`` (see :func:`load_weights`)."""
-    return load_weights(model, iter_safetensors(path))
+def load_checkpoint(model: Qwen35Model, path: str | os.PathLike, visual: VisionTower | None = None) -> set[str]:
+    """Load a checkpoint directory's safetensors into ``model`` and ``visual`` (see :func:`load_weights`)."""
+    return load_weights(model, iter_safetensors(path), visual=visual)

@@ -62,6 +62,12 @@ KNOBS: tuple[Knob, ...] = (
          "(TOP_K block-wide reductions)", ("bitonic", "max")),
     Knob("QWEN35_CUDA_ARCH", None, "target of the cuda_sm70 JIT build (e.g. sm_70, compute_75); "
          "unset: from the device and the toolkit"),
+    Knob("QWEN35_CUDA_COMPILER", None, "compiler of the cuda_sm70 JIT build: a path to nvcc or CoreX's clang++ "
+         "(unset: CUDA_HOME's nvcc, nvcc on PATH, /usr/local/cuda, then CoreX's clang++)"),
+    Knob("QWEN35_CUDA_CACHE", None, "build cache of the cuda_sm70 extension, one directory per sources x arch x "
+         "toolkit (unset: ~/.cache/qwen35/cuda_sm70)"),
+    Knob("QWEN35_COREX_ARCH", "ivcore10", "--cuda-gpu-arch of a CoreX clang++ build of cuda_sm70 (ivcore10: "
+         "BI-V100; ivcore11: BI-V150, MR-V100)"),
     # -- serving and set-up (serve.*, scripts/bootstrap.sh)
     Knob("QWEN35_CACHE_DIR", None, "where the embedded default checkpoint is built "
          "(unset: ~/.cache/qwen35)"),

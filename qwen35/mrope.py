@@ -15,7 +15,9 @@ The angles interleave the axes over the rotary frequencies: frequency ``j`` turn
 ``[11, 11, 10]`` for Qwen3.5; HF applies the interleaved layout whatever ``mrope_interleaved`` says).
 
 Both hosts call these pure functions: the vLLM host from ``get_mrope_input_positions`` (with the placeholder
-offsets vLLM records), the standalone host when it builds a prompt with images.
+offsets vLLM records), the standalone host when it builds a prompt with images (after
+:func:`expand_image_placeholders` turns each image's one placeholder token into its tokens, the rule vLLM's
+prompt replacement follows).
 """
 
 from __future__ import annotations
@@ -49,6 +51,28 @@ def _grids(image_grid_thw: torch.Tensor | Sequence[Sequence[int]] | None, merge:
                              f"spatial_merge_size={merge}")
         out.append((t, h, w))
     return out
+
+
+def expand_image_placeholders(input_ids: Sequence[int] | torch.Tensor | np.ndarray, num_tokens: Sequence[int],
+                              image_token_id: int) -> np.ndarray:
+    """The prompt with its ``i``-th ``image_token_id`` repeated ``num_tokens[i]`` times (int64).
+
+    A prompt names each image by one ``image_token_id`` (what a chat template writes between
+    ``<|vision_start|>`` and ``<|vision_end|>``); the image takes as many tokens as its merged grid has
+    (:func:`image_token_counts`). vLLM's prompt replacement for these checkpoints applies the same rule, so a
+    prompt and its images give one token sequence in both hosts. ValueError unless the prompt holds exactly
+    one placeholder per image.
+    """
+    ids = _ids(input_ids)
+    where = np.flatnonzero(ids == image_token_id)
+    if len(where) != len(num_tokens):
+        raise ValueError(f"the prompt holds {len(where)} image placeholder(s) (token id {image_token_id}) for "
+                         f"{len(num_tokens)} image(s); put one placeholder where each image goes, in order")
+    if any(int(n) <= 0 for n in num_tokens):
+        raise ValueError(f"image token counts {list(num_tokens)} must be positive")
+    repeats = np.ones(len(ids), dtype=np.int64)
+    repeats[where] = np.asarray(num_tokens, dtype=np.int64)
+    return np.repeat(ids, repeats)
 
 
 def image_token_counts(image_grid_thw: torch.Tensor | Sequence[Sequence[int]], spatial_merge_size: int) -> list[int]:
@@ -138,14 +162,19 @@ def mrope_column_axes(num_freqs: int, mrope_section: Sequence[int] = DEFAULT_MRO
 
 
 def mrope_angles(positions: torch.Tensor, inv_freq: torch.Tensor,
-                 mrope_section: Sequence[int] = DEFAULT_MROPE_SECTION) -> torch.Tensor:
+                 mrope_section: Sequence[int] = DEFAULT_MROPE_SECTION, *,
+                 axes: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 angles ``[T, len(inv_freq)]`` for positions ``[3, T]`` (or ``[T]``: text, every axis equal).
 
+    ``axes``: :func:`mrope_column_axes` already on the positions' device (a model keeps it, so that a step
+    under CUDA-graph capture copies nothing from the host); computed from ``mrope_section`` when left out.
+    A position row repeated on all three axes gives the angles of the same ``[T]`` positions bit for bit.
     ``cos`` / ``sin`` of the result are what :func:`qwen35.ops.qk_norm_rope` takes.
     """
     if positions.dim() == 1:
         return positions.float()[:, None] * inv_freq.float()[None, :]
     if positions.dim() != 2 or positions.shape[0] != 3:
         raise ValueError(f"positions has shape {list(positions.shape)}; expected [3, T] or [T]")
-    axes = mrope_column_axes(inv_freq.shape[0], mrope_section).to(positions.device)
-    return positions.float().index_select(0, axes).t() * inv_freq.float()[None, :]
+    if axes is None:
+        axes = mrope_column_axes(inv_freq.shape[0], mrope_section).to(positions.device)
+    return positions.float().t().index_select(1, axes) * inv_freq.float()[None, :]  # contiguous [T, freqs]

@@ -18,10 +18,8 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from qwen35.checkpoint import CheckpointError, _names
+from qwen35.checkpoint import VISUAL_PREFIX, CheckpointError, _names
 from qwen35.vision import VisionConfig, VisionTower
-
-VISUAL_PREFIX = "model.visual."
 
 
 def _flatten_patch(t: torch.Tensor) -> torch.Tensor:
