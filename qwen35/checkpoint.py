@@ -370,8 +370,9 @@ def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]]
 
 
 def overflow_report(overflows: list[tuple[str, int, float]]) -> str:
-    """One sentence naming the tensors whose values do not fit float16: name (count, largest |x|)."""
-    items = [f"{name} ({count} value{'s' if count != 1 else ''}, max |x| {big:.6g})" for name, count, big in overflows]
+    """One sentence naming the tensors whose values do not fit float16, by name: name (count, largest |x|)."""
+    items = [f"{name} ({count} value{'s' if count != 1 else ''}, max |x| {big:.6g})"
+             for name, count, big in sorted(overflows)]
     more = f" ... and {len(items) - MAX_NAMES_IN_ERROR} more" if len(items) > MAX_NAMES_IN_ERROR else ""
     return (f"{len(items)} checkpoint tensor{'s' if len(items) != 1 else ''} hold values beyond float16's range "
             f"(|x| > {FP16_MAX:g}) for this float16 model: " + ", ".join(items[:MAX_NAMES_IN_ERROR]) + more)

@@ -560,7 +560,11 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as e:  # noqa: BLE001 - the report still shows what the probe falls back to
             failed = f"{type(e).__name__}: {e}"
             print(f"qwen35-probe --build: {failed}", file=sys.stderr)
-    rep = report(args.device, DTYPE_NAMES.get(args.dtype))
+    try:
+        rep = report(args.device, DTYPE_NAMES.get(args.dtype))
+    except RuntimeError as e:  # a forced backend that cannot serve: say so without a traceback
+        print(f"qwen35-probe: {e}", file=sys.stderr)
+        return 1
     if failed:
         rep["build"] = {"error": failed}
     if args.json:

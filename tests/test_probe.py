@@ -396,6 +396,11 @@ def test_cli_dtype_and_build_facts():
     run = subprocess.run([sys.executable, "-m", "qwen35.probe", "--build", "--device", "cpu"], capture_output=True,
                          text=True, env=_clean_env())
     assert run.returncode == 2 and "the cuda_sm70 build needs a CUDA device; got cpu" in run.stderr
+    forced = subprocess.run([sys.executable, "-m", "qwen35.probe"], capture_output=True, text=True,
+                            env=_clean_env(QWEN35_BACKEND="cuda_sm70"))
+    assert forced.returncode == 1 and "Traceback" not in forced.stderr
+    assert ("qwen35-probe: QWEN35_BACKEND=cuda_sm70 was requested for gdn_chunk_prefill on cpu (float32), but it "
+            "cannot run here (needs a CUDA device)") in forced.stderr
 
 
 def test_build_facts_in_the_text_report(fresh_probe):
