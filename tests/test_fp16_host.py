@@ -1,6 +1,9 @@
 """float16 end to end in the standalone host (CPU): what lives in fp16 and what stays fp32, logits against the fp32
 model, greedy decisions against fp32's, dtype names, and the report of checkpoint values that do not fit fp16
-(standalone load and the load_weights path vLLM's host takes).
+(standalone load and the load_weights path vLLM's host takes). The vLLM host with ``dtype="float16"`` on vLLM's CPU
+build: a real engine (this file run as a script in a subprocess, as vLLM's spawned workers need) generates greedy
+tokens that follow the fp32 model up to near-ties, and a second engine on a checkpoint with values beyond fp16's
+range logs the report naming them.
 
 Budgets. Logits of the fp16 model vs the fp32 model of the same checkpoint (4-layer tiny models, dense and MoE):
 relative error <= 1e-2 over all rows of a prefill and of decode steps; measured 2.2e-3 (dense) and 2.9e-3 (MoE) on
@@ -12,7 +15,11 @@ its fp32 logit within GREEDY_GAP of the best one (logits are O(10) here; their f
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -184,3 +191,75 @@ def test_load_weights_reports_for_any_host(wide_ckpt, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="qwen35"):
         Qwen35Standalone.from_pretrained(path, dtype="float32", max_seqs=1, max_len=64)
     assert not _overflow_warnings(caplog)
+
+
+# ----------------------------------------------------------------------------- the vLLM host in float16
+
+VLLM_TOKENS = 16
+
+
+def _vllm_prompts() -> list[list[int]]:
+    return [[(7 * i + 3 * j + 1) % 1000 for j in range(n)] for i, n in enumerate([5, 70])]
+
+
+def _engine_main(workdir: str) -> None:
+    """Two engines in turn: greedy tokens of the clean checkpoint in fp16, then the load of the wide one."""
+    from vllm import LLM, SamplingParams
+
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    result = {}
+    for name in ("clean", "wide"):
+        llm = LLM(model=os.path.join(workdir, name), skip_tokenizer_init=True, dtype="float16", enforce_eager=True,
+                  max_model_len=256, max_num_seqs=4, gpu_memory_utilization=0.3, seed=0)
+        result[name + "_dtype"] = str(llm.llm_engine.vllm_config.model_config.dtype)
+        if name == "clean":
+            greedy = SamplingParams(temperature=0, max_tokens=VLLM_TOKENS, ignore_eos=True)
+            outs = llm.generate([{"prompt_token_ids": p} for p in _vllm_prompts()], greedy)
+            result["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        llm.llm_engine.engine_core.shutdown()
+        del llm
+        with open(os.path.join(workdir, "results.json"), "w") as f:
+            json.dump(result, f)
+
+
+@pytest.fixture(scope="module")
+def vllm_fp16_run(tmp_path_factory, wide_ckpt):
+    pytest.importorskip("vllm")
+    workdir = tmp_path_factory.mktemp("vllm16")
+    write_checkpoint(workdir / "clean", TinySpec(moe=False))
+    spec = TinySpec(dtype=torch.bfloat16)
+    tensors = {n: t.clone() for n, t in wide_ckpt[1].items()}
+    write_checkpoint(workdir / "wide", spec, tensors)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("TRITON_INTERPRET", None)
+    env.pop("QWEN35_FP16_OVERFLOW", None)
+    proc = subprocess.run([sys.executable, __file__, str(workdir)], capture_output=True, text=True, timeout=480,
+                          env=env, cwd=os.path.dirname(__file__))
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"engine script failed (rc {proc.returncode}):\n{log[-6000:]}"
+    return workdir, json.loads((workdir / "results.json").read_text()), log
+
+
+@pytest.mark.slow
+def test_vllm_host_in_fp16_follows_fp32_up_to_near_ties(vllm_fp16_run):
+    workdir, result, _ = vllm_fp16_run
+    assert result["clean_dtype"] == "torch.float16"
+    prompts = _vllm_prompts()
+    assert [len(t) for t in result["tokens"]] == [VLLM_TOKENS] * len(prompts)
+    m32 = Qwen35Standalone.from_pretrained(workdir / "clean", max_seqs=1, max_len=256)
+    gaps = greedy_gaps(m32, prompts, result["tokens"])
+    print(f"vLLM fp16 greedy tokens below the fp32 model's best logit by at most {max(gaps):.4f}")
+    assert max(gaps) <= GREEDY_GAP, gaps
+
+
+@pytest.mark.slow
+def test_vllm_host_reports_values_beyond_fp16(vllm_fp16_run):
+    _, result, log = vllm_fp16_run
+    assert result["wide_dtype"] == "torch.float16"
+    lines = [ln for ln in log.splitlines() if "beyond float16's range" in ln]
+    assert len(lines) == 1, log[-6000:]
+    assert f"{HEAD} (1 value" in lines[0] and f"{QKV} (2 values" in lines[0] and "saturate to +-65504" in lines[0]
+
+
+if __name__ == "__main__":
+    _engine_main(sys.argv[1])
