@@ -164,7 +164,7 @@ class SlotAttention(nn.Module):
 
 
 def _aligned16(n: int) -> int:
-    """``n`` int32 values rounded up to a multiple of 16 bytes (as kernels_triton._launch.aligned16)."""
+    """``n`` int32 values rounded up to a multiple of 16 bytes (as kernels_triton._util.aligned16)."""
     return -(-n // 4) * 4
 
 

@@ -35,7 +35,10 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(int(grid.prod(-1).sum()), 1536, generator=g, device=DEV), grid
 
 
-def test_fp32_matches_hf_on_gpu():
+def test_fp32_matches_hf_on_gpu(monkeypatch):
+    # HF's patch embedding is a Conv3d, which cuDNN runs in TF32 by default (about 2.7e-4 off here); ours is a
+    # linear map in full fp32. Compare fp32 with fp32.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5VisionConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
