@@ -9,11 +9,13 @@ check fails is skipped with a WARNING that says what failed (the compiler's firs
 
 Dtype. The façade asks for the op and the dtype of the call's activations (:func:`implementation`), so a
 backend that declares the dtypes it computes (``DTYPES`` in its module) is passed over for others: a bf16
-model on a V100 gets Triton with the reason "cuda_sm70 computes fp16/fp32, not bf16" instead of a
-``ValueError`` at its first call. Without a dtype (:func:`report`, ``qwen35-probe``) the choice is for the
-device's default compute dtype (bf16 where the device computes it, else fp16; fp32 on the CPU), and a backend
-that does not compute that dtype is self-tested in fp16, the dtype it is run in there (so a forced
-``cuda_sm70`` on an H200 is checked in fp16, not refused for bf16).
+model on a V100 gets the next backend of the policy with the reason "cuda_sm70 computes fp16/fp32, not bf16"
+instead of a ``ValueError`` at its first call (the standalone host's ``dtype="auto"`` picks fp16 there:
+``DeviceCaps.compute_dtype``).
+Without a dtype (:func:`report`, ``qwen35-probe``, the hosts' start-up report) the choice is the one for the
+device's default compute dtype (bf16 where the device computes it, else fp16; fp32 on the CPU), except that a
+forced backend which does not compute that dtype is self-tested in fp16, the dtype it runs in there (so a
+forced ``cuda_sm70`` on an H200 is checked in fp16, not refused for bf16).
 
 Builds. A backend module may define ``prepare(device)``, which ``cuda_sm70`` uses to JIT-build its
 extension (:func:`kernels_cuda.sm70.prepare`). It runs once per backend and device, before the first
