@@ -8,6 +8,13 @@ decode). :meth:`Qwen35Standalone.generate` does greedy or sampled generation on 
     m = Qwen35Standalone.from_pretrained("ckpt/", device="cuda", dtype=torch.bfloat16)
     out = m.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
 
+Dtype: ``dtype`` is a torch dtype or its name (``"float16"``, ``"bfloat16"``, ``"float32"``,
+``"float64"``), or ``"auto"``: bf16 on a GPU that computes it, else fp16 (V100, T4, Iluvatar), fp32
+on the CPU. Weights, activations, KV caches and conv pools take it; GDN recurrent states, ``A_log``
+and ``dt_bias`` stay fp32. ``dtype=float16`` runs end to end on every backend (``cuda_sm70``
+computes only fp16 and fp32); a bf16 checkpoint loaded as fp16 reports the values beyond fp16's
+range (:mod:`qwen35.checkpoint`, ``QWEN35_FP16_OVERFLOW``).
+
 Images (checkpoints with a ``vision_config``): a prompt names each image by one image token
 (``image_token_id``, what a chat template writes between ``<|vision_start|>`` and
 ``<|vision_end|>``) and the images come alongside, per prompt, as bytes, ``data:`` URLs, PIL images
@@ -262,14 +269,38 @@ class StandaloneHost:
         return SlotGDNState(self, conv_shape, state_shape, conv_dtype)
 
 
+DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                                  "float64": torch.float64}  # fp64: every op on the reference (ground truth)
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
+    """The model dtype for a ``dtype`` argument: a torch float dtype of :data:`DTYPES`, its name, or ``"auto"``
+    (the device's default compute dtype: bf16 where the GPU computes it, else fp16; fp32 on the CPU)."""
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            from qwen35 import probe
+
+            return probe.device_caps(device).compute_dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}; accepted: {', '.join(DTYPES)}, auto (or a torch dtype of those)")
+        return DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype={dtype}; accepted: {', '.join(f'torch.{n}' for n in DTYPES)} (or their names, "
+                         "or 'auto')")
+    return dtype
+
+
 class Qwen35Standalone:
     """A loaded model with per-sequence caches; see the module docstring."""
 
-    def __init__(self, cfg: Qwen35Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 max_seqs: int = 8, max_len: int = 4096, image_processor: ImageProcessorConfig | None = None):
+    def __init__(self, cfg: Qwen35Config, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | str = torch.float32, max_seqs: int = 8, max_len: int = 4096,
+                 image_processor: ImageProcessorConfig | None = None):
         if max_seqs < 1 or max_len < 1:
             raise ValueError(f"max_seqs={max_seqs} and max_len={max_len} must be >= 1")
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.device = torch.device(device)
+        dtype = resolve_dtype(dtype, self.device)
+        self.cfg, self.dtype = cfg, dtype
         report_backends_once(self.device, log)
         self.host = StandaloneHost(device=self.device, dtype=dtype, max_seqs=max_seqs, max_len=max_len)
         with torch.device(self.device):
