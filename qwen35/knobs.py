@@ -44,24 +44,30 @@ KNOBS: tuple[Knob, ...] = (
     Knob("QWEN35_CHECK_VALUES", "1", "read tensor values in the façade's input checks (slots, offsets, expert "
          "ids); 0 skips them (each is a device synchronisation on a GPU)", BOOL),
     # -- kernels
-    Knob("QWEN35_CONFIG_DIR", None, "directory of user-tuned kernel configs (<dir>/<device>/<op>.json); "
-         "its files win over the shipped ones"),
+    Knob("QWEN35_CONFIG_DIR", "~/.cache/qwen35/configs", "directory of user-tuned kernel configs "
+         "(<dir>/<device>/<op>.json); a file there replaces the one shipped in kernels_triton/configs"),
     Knob("QWEN35_DIRECT_LAUNCH", "1", "launch Triton kernels through the cached direct launcher; 0 uses "
          "Triton's own launch path (profilers that hook launches)", BOOL),
     Knob("QWEN35_GDN_PDL", None, "GDN decode step with programmatic dependent launch on sm_90+ "
-         "(unset: on; 0 off, 1 on)", BOOL),
+         "(unset: on; 0 off, for profilers or drivers that mishandle PDL; 1 on)", BOOL),
     Knob("QWEN35_MOE_PDL", None, "MoE launches with programmatic dependent launch on sm_90+ "
-         "(unset: the size rule of kernels_triton/moe/pdl.py; 0 never, 1 at every size)", BOOL),
-    Knob("QWEN35_MOE_DECODE", "1", "one token takes the MoE decode path; 0 sends it through the general "
-         "pipeline", BOOL),
-    Knob("QWEN35_MOE_TMA", None, "MoE expert GEMMs read weight tiles through tensor descriptors "
-         "(unset: the down GEMM from 256 token-slots per expert; 0 never, 1 wherever possible)", BOOL),
-    Knob("QWEN35_MOE_BLOCK_WAIT", None, "with PDL, the MoE down launch waits for gate_up block by block "
-         "(unset: up to 16 tokens; 0 never, 1 always)", BOOL),
-    Knob("QWEN35_MOE_TOPK", "bitonic", "top-k of one-row MoE route tiles: bitonic (one tl.topk) or max "
-         "(TOP_K block-wide reductions)", ("bitonic", "max")),
+         "(unset: the size rule of kernels_triton/moe/pdl.py; 0 never, for profilers or drivers that mishandle PDL; "
+         "1 at every size, the one-token path included)", BOOL),
+    Knob("QWEN35_MOE_DECODE", "1", "one token takes the MoE decode path (three GEMV launches); 0 sends it through "
+         "the general pipeline, a way around that path (its output differs from the pipeline's in the last bits)",
+         BOOL),
     Knob("QWEN35_CUDA_ARCH", None, "target of the cuda_sm70 JIT build (e.g. sm_70, compute_75); "
          "unset: from the device and the toolkit"),
+    Knob("QWEN35_CUDA_COMPILER", None, "compiler of the cuda_sm70 JIT build: a path to nvcc or CoreX's clang++ "
+         "(unset: CUDA_HOME's nvcc, nvcc on PATH, /usr/local/cuda, then CoreX's clang++)"),
+    Knob("QWEN35_CUDA_CACHE", None, "build cache of the cuda_sm70 extension, one directory per sources x arch x "
+         "toolkit (unset: ~/.cache/qwen35/cuda_sm70)"),
+    Knob("QWEN35_COREX_ARCH", "ivcore10", "--cuda-gpu-arch of a CoreX clang++ build of cuda_sm70 (ivcore10: "
+         "BI-V100; ivcore11: BI-V150, MR-V100)"),
+    # -- weights (qwen35.checkpoint)
+    Knob("QWEN35_FP16_OVERFLOW", "warn", "checkpoint values beyond fp16's range (|x| > 65504) loaded into a float16 "
+         "model: warn (one WARNING naming the tensors; the values saturate to +-65504) or error (CheckpointError)",
+         ("warn", "error")),
     # -- serving and set-up (serve.*, scripts/bootstrap.sh)
     Knob("QWEN35_CACHE_DIR", None, "where the embedded default checkpoint is built "
          "(unset: ~/.cache/qwen35)"),
