@@ -3,7 +3,8 @@
 :func:`write_checkpoint` writes a complete ``Qwen3_5MoeForConditionalGeneration`` checkpoint that both vLLM's
 native Qwen3.5 class and our plugin serve: ``config.json`` from transformers' own ``Qwen3_5MoeConfig`` (text
 fields from :data:`tuning.bench_model.WIDTH`, i.e. Qwen3.5-35B-A3B width, with ``layers`` decoder layers; the
-default vision config, whose tower is never built: serve with ``--language-model-only``), the hub's on-disk
+default vision config projecting to that width, whose tower is never built: serve with ``--language-model-only``
+— the checkpoint holds no tower weights), the hub's on-disk
 layout (``model.language_model.*``, MoE experts stored one tensor per expert), random bf16 weights drawn on the
 GPU from a fixed seed, and a tokenizer: the embedded model's byte-level BPE and chat template
 (:mod:`serve.embedded`) with its vocabulary filled up to the model's ``vocab_size`` by unreachable filler tokens,
@@ -167,7 +168,9 @@ def write_checkpoint(root: str | os.PathLike, layers: int = 8, seed: int = 0, re
     tokenizer = padded_tokenizer(fields["vocab_size"])
     ids = {t: tokenizer.token_to_id(t) for t in CONTROL_TOKENS}
     fields = dict(fields, eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN], bos_token_id=None)
-    config = Qwen3_5MoeConfig(text_config=fields, tie_word_embeddings=False)
+    # the default tower (never built: --language-model-only), projecting to this decoder's width as the hub's does
+    config = Qwen3_5MoeConfig(text_config=fields, vision_config={"out_hidden_size": fields["hidden_size"]},
+                              tie_word_embeddings=False)
     config.architectures = [ARCHITECTURE]
     config.save_pretrained(path)
     tokenizer.save(str(path / "tokenizer.json"), pretty=False)
