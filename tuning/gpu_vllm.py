@@ -240,17 +240,18 @@ def main(argv: list[str] | None = None) -> int:
                                            SERVER_ARGS + ["--kv-cache-memory-bytes", str(KV_CACHE_BYTES),
                                                           "--gpu-memory-utilization", str(GPU_UTIL)] + more, log_dir))
         state["servers"] += servers
-        state[mode] = {s.engine: s for s in servers}
-        try:
-            vs.wait_ready(servers, deadline=min(run.deadline - 60, time.perf_counter() + 420))
-        finally:
-            for s in servers:
-                if s.ready_s is not None:
-                    run.add(s.engine, mode, "startup_s", s.ready_s)
-                    run.log(f"{s.name} up in {s.ready_s:.1f} s")
-                run.meta.setdefault("server_notes", {})[s.name] = s.log_lines(NOTES)[-10:]
-        for s in servers:  # warm-up: kernels for the first real shapes, not timed
+        failed = vs.wait_ready(servers, deadline=min(run.deadline - 60, time.perf_counter() + 420),
+                               raise_on_failure=False)
+        for s in servers:
+            if s.ready_s is not None:
+                run.add(s.engine, mode, "startup_s", s.ready_s)
+                run.log(f"{s.name} up in {s.ready_s:.1f} s")
+            run.meta.setdefault("server_notes", {})[s.name] = s.log_lines(NOTES)[-10:]
+        state[mode] = {s.engine: s for s in servers if s.ready_s is not None}  # the rest: one engine still runs
+        for s in state[mode].values():  # warm-up: kernels for the first real shapes, not timed
             vs.replay(s, state["sets"]["decode_c1"][0], 1, WORK / f"warm_{s.name}.json")
+        if failed:
+            raise RuntimeError("; ".join(failed.values()))
 
     def agree() -> None:
         g = state["graphs"]
@@ -263,8 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     def throughput() -> None:
         for mix in ("decode_c1", "decode", "prefill", "mixed"):
             path, conc = state["sets"][mix]
-            for engine in vs.ENGINES:
-                summary = vs.replay(state["graphs"][engine], path, conc, WORK / f"replay_{mix}_{engine}.json")
+            for engine, server in state["graphs"].items():
+                summary = vs.replay(server, path, conc, WORK / f"replay_{mix}_{engine}.json")
                 for metric, value in vs.replay_metrics(summary).items():
                     run.add(engine, mix, metric, value)
                 run.log(f"{mix:<10} {engine:<6} score {summary['score']:10.1f}  out {summary['tps']['output']:9.1f}"
@@ -273,8 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     def profile() -> None:
         from serve.bench.generate import read_requests
 
-        for engine in vs.ENGINES:
-            s = state["graphs"][engine]
+        for engine, s in state["graphs"].items():
             pdir = WORK / f"profile_{engine}"
             decode = read_requests(state["sets"]["decode"][0])[:16]
             prefill = [b for b in read_requests(state["sets"]["prefill"][0])][:2]
@@ -304,7 +304,10 @@ def main(argv: list[str] | None = None) -> int:
                                   env=vs.engine_env("native"), cwd=str(Path(__file__).resolve().parent.parent))
         try:
             if "eager" not in skip:
-                start("eager", ["--enforce-eager"])
+                try:
+                    start("eager", ["--enforce-eager"])
+                except RuntimeError as err:  # one engine did not start: the other is still measured
+                    run.meta["errors"]["eager_start"] = str(err)[-3000:]
             if hf is not None:  # done before anything is timed on the eager servers
                 hf.wait(timeout=max(30.0, run.left() - 60))
                 if hf.returncode != 0 or not (WORK / "hf.json").is_file():
@@ -321,18 +324,18 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if hf is not None and hf.poll() is None:
                 hf.kill()
-        if "eager" not in skip:
+        if "eager" not in skip and state.get("eager"):
             from serve.bench.generate import read_requests, write_requests
 
             e = state["eager"]
-            if "greedy" in state:
+            if "greedy" in state and "ours" in e:
                 ours_eager = vs.greedy(e["ours"], state["prompts"], AGREE_NEW)
                 agreement_rows(run, "agree_graphs_vs_eager", state["greedy"]["ours"], ours_eager)
             short = WORK / "decode_eager.jsonl"  # eager steps are slow: 64 streams x 256 tokens
             write_requests(short, [{**b, "max_tokens": 256} for b in read_requests(state["sets"]["decode"][0])[:64]])
             for mix, (path, conc) in (("decode_c1", state["sets"]["decode_c1"]), ("decode", (short, 64))):
-                for engine in vs.ENGINES:
-                    summary = vs.replay(e[engine], path, conc, WORK / f"replay_{mix}_eager_{engine}.json")
+                for engine, server in e.items():
+                    summary = vs.replay(server, path, conc, WORK / f"replay_{mix}_eager_{engine}.json")
                     for metric in ("itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "output_tps", "score"):
                         run.add(engine, f"{mix}_eager", metric, vs.replay_metrics(summary)[metric])
             stop("eager")
@@ -341,14 +344,15 @@ def main(argv: list[str] | None = None) -> int:
         if not run.phase("ckpt", 60, ckpt):
             return 1
         if not {"agree", "throughput"} <= skip or args.profile:
-            if not run.phase("start", 150, lambda: start("graphs", [])):
+            run.phase("start", 150, lambda: start("graphs", []))
+            if not state.get("graphs"):
                 return 1
         elif (WORK / "agree.json").is_file():  # a follow-up run: the graph servers' answers of an earlier one
             saved = json.loads((WORK / "agree.json").read_text())
             if saved["prompts"] == state["prompts"]:
                 state["tf"], state["greedy"] = saved["tf"], saved["greedy"]
                 run.meta["agree_from"] = str(WORK / "agree.json")
-        if "agree" not in skip:
+        if "agree" not in skip and len(state.get("graphs", {})) == 2:
             run.phase("agree", 30, agree)
         if "throughput" not in skip:
             run.phase("throughput", 90 if args.quick else 150, throughput)

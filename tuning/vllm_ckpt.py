@@ -179,24 +179,24 @@ def write_checkpoint(root: str | os.PathLike, layers: int = 8, seed: int = 0, re
     (path / "generation_config.json").write_text(json.dumps(
         {"eos_token_id": [ids[EOS_TOKEN], ids[PAD_TOKEN]], "pad_token_id": ids[PAD_TOKEN]}, indent=2) + "\n")
     tensors = _tensors(fields, seed, device)
-    shards, current, size = [], {}, 0
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    shards, current, size = [], [], 0
     for name in sorted(tensors):
-        t = tensors[name]
-        if current and size + t.numel() * t.element_size() > shard_bytes:
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        if current and size + nbytes > shard_bytes:
             shards.append(current)
-            current, size = {}, 0
-        current[name] = t
-        size += t.numel() * t.element_size()
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
     shards.append(current)
     weight_map = {}
-    for j, shard in enumerate(shards):
+    for j, names in enumerate(shards):
         fname = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file({k: v.contiguous().cpu() for k, v in shard.items()}, str(path / fname), metadata={"format": "pt"})
-        weight_map.update({k: fname for k in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
+        # popped as they are written: the device holds no copy once the checkpoint is on disk
+        save_file({k: tensors.pop(k).contiguous().cpu() for k in names}, str(path / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in names})
     (path / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-    del tensors
     if device != "cpu":
         torch.cuda.empty_cache()
     (path / "DONE").write_text(f"{total} bytes in {len(shards)} shards, {time.perf_counter() - t0:.1f} s\n")

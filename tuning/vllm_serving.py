@@ -130,26 +130,37 @@ def start_server(name: str, engine: str, model: str, args: list[str], log_dir: P
     return Server(name, engine, port, process, log_path, argv)
 
 
-def wait_ready(servers: list[Server], deadline: float) -> None:
-    """Wait until every server answers ``/health``; records each one's start-up seconds. Raises with the log tail
-    of a server that exits or is not up by ``deadline`` (a ``time.perf_counter()`` value)."""
+def wait_ready(servers: list[Server], deadline: float, raise_on_failure: bool = True) -> dict[str, str]:
+    """Wait until every server answers ``/health``; records each one's start-up seconds. A server that exits or
+    is not up by ``deadline`` (a ``time.perf_counter()`` value) raises with its log tail, or, without
+    ``raise_on_failure``, is stopped and reported in the returned {name: why} (the others keep waiting)."""
     import httpx
 
-    pending = list(servers)
+    pending, failed = list(servers), {}
     while pending:
         for s in list(pending):
+            why = None
             if not s.alive():
-                raise RuntimeError(f"{s.name} exited with {s.process.returncode} while starting:\n{s.log_tail()}")
-            try:
-                if httpx.get(s.root_url + "/health", timeout=2).status_code == 200:
-                    s.ready_s = time.perf_counter() - s.started
-                    pending.remove(s)
-            except httpx.HTTPError:
-                pass
-        if pending and time.perf_counter() > deadline:
-            raise TimeoutError("not up in time: " + "; ".join(f"{s.name}:\n{s.log_tail(30)}" for s in pending))
+                why = f"{s.name} exited with {s.process.returncode} while starting:\n{s.log_tail()}"
+            elif time.perf_counter() > deadline:
+                why = f"{s.name} not up after {time.perf_counter() - s.started:.0f} s:\n{s.log_tail(30)}"
+            else:
+                try:
+                    if httpx.get(s.root_url + "/health", timeout=2).status_code == 200:
+                        s.ready_s = time.perf_counter() - s.started
+                        pending.remove(s)
+                        continue
+                except httpx.HTTPError:
+                    pass
+            if why is not None:
+                if raise_on_failure:
+                    raise RuntimeError(why)
+                s.stop()
+                failed[s.name] = why
+                pending.remove(s)
         if pending:
             time.sleep(1.0)
+    return failed
 
 
 # ----------------------------------------------------------------------------- requests
