@@ -58,12 +58,16 @@ def relative_error(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
 def check(op: str, fn: Callable, device: torch.device, dtype: torch.dtype, seed: int = 0) -> float:
     """Run ``fn`` (a backend's ``op``) on the op's tiny case; return its rel err vs fp64 reference."""
     row = optable.get(op)
-    gen = torch.Generator().manual_seed(seed)
-    case = row.case(device, dtype, gen)
-    ref_kwargs = {k: _to_cpu64(v) for k, v in case.kwargs.items()}
+    # The case's random draws (a CPU generator) and the fp64 reference run on the CPU whatever default device the
+    # caller has set: vLLM's engine builds the model (and so runs the probe) under a CUDA default device.
+    with torch.device("cpu"):
+        gen = torch.Generator().manual_seed(seed)
+        case = row.case(device, dtype, gen)
+        ref_kwargs = {k: _to_cpu64(v) for k, v in case.kwargs.items()}
     kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs.items()}
     result = fn(**kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    ref_result = row.reference(**ref_kwargs)
+    with torch.device("cpu"):
+        ref_result = row.reference(**ref_kwargs)
     return relative_error(_flatten(result, kwargs, case.mutated), _flatten(ref_result, ref_kwargs, case.mutated))

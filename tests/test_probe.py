@@ -411,3 +411,21 @@ def test_build_facts_in_the_text_report(fresh_probe):
     assert "loaded from the cache" in fresh_probe.format_build({**facts, "fresh": False})
     failed = fresh_probe.format_build({"error": "CudaBuildError: boom"})
     assert failed == "build    cuda_sm70 FAILED: CudaBuildError: boom"
+
+
+@pytest.mark.parametrize("op", backends.OPS)
+def test_selftest_ignores_the_callers_default_device(op):
+    """vLLM builds the model, and so runs the probe, under a CUDA default device: the self-test's CPU generator
+    and fp64 reference must not follow it (a factory call on that device with a CPU generator raised for every
+    Triton op, which then fell back to the reference). Here the ambient default is the meta device."""
+    from qwen35 import selftest
+
+    reference_op = getattr(reference, op)
+
+    def candidate(**kwargs):
+        with torch.device("cpu"):
+            return reference_op(**kwargs)
+
+    with torch.device("meta"):
+        err = selftest.check(op, candidate, torch.device("cpu"), torch.float32)
+    assert err <= 1e-6, f"{op}: rel err {err:.3e} under a meta default device"
