@@ -31,6 +31,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from serve.toolcalls import MAX_CALLS
+
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 RESPONSES_ROLES = ("system", "developer", "user", "assistant")
 MEDIA_PARTS = ("image_url", "input_image", "image", "image_pil", "image_embeds", "input_audio", "audio_url",
@@ -66,6 +68,8 @@ class Rewrite:
     body: dict
     changed: bool = False
     strip_streamed_content: bool = False
+    tool_call_limit: int | None = None
+    """Tool calls the reply may hold (see `serve.toolcalls.CALL_LIMIT`); None: no limit of ours."""
 
 
 ModelFor = Callable[[str], object | None]
@@ -374,6 +378,8 @@ def check_chat(body: dict, policy: Policy, model: object | None) -> Rewrite:
     tool_choice = body.get("tool_choice")
     forced = tool_choice == "required" or isinstance(tool_choice, dict)
     result.strip_streamed_content = bool(body.get("stream") and body.get("tools") and forced)
+    if body.get("tools"):
+        result.tool_call_limit = 1 if body.get("parallel_tool_calls") is False else MAX_CALLS
     return result
 
 

@@ -12,8 +12,8 @@ policy reads as a clean stop. `qwen35-serve` adds its own watch, started from th
   it, and asks uvicorn to stop; `serve.launcher` then exits with `ENGINE_DEAD_STATUS`. If the process
   is still alive `HARD_EXIT_S` seconds later (a connection that never closes), it is ended with
   that status at once;
-- SIGTERM and SIGINT are recorded before vLLM's own handlers run (they stop the engine first,
-  which also makes it read as errored), so an ordinary stop still exits 0.
+- SIGTERM and SIGINT are recorded as they arrive, before vLLM's handlers stop the engine (which
+  also makes it read as errored), so an ordinary stop still exits 0.
 """
 
 from __future__ import annotations
@@ -48,20 +48,25 @@ def _errored(app: object) -> bool:
         return True
 
 
-def _record_stop_signals(loop: asyncio.AbstractEventLoop) -> None:
-    """Record SIGTERM/SIGINT, then run the handler vLLM installed on the loop."""
-    handlers = getattr(loop, "_signal_handlers", {})
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        previous = handlers.get(sig)
+def _record_stop_signals() -> None:
+    """Record SIGTERM/SIGINT ahead of the handlers already installed.
 
-        def on_signal(previous=previous) -> None:
+    The event loop (asyncio's or uvloop's) learns of a signal through the wakeup file descriptor
+    that the interpreter writes in its C-level handler, whatever Python-level handler is set; the
+    loop's own callbacks (vLLM's shutdown) therefore still run. The Python-level handler installed
+    here records the signal, then calls the one it replaces.
+    """
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        previous = signal.getsignal(sig)
+
+        def on_signal(number: int, frame: object, previous: object = previous) -> None:
             _stopping.set()
-            if previous is not None and not previous.cancelled():
-                previous._run()
+            if callable(previous):
+                previous(number, frame)
 
         try:
-            loop.add_signal_handler(sig, on_signal)
-        except (NotImplementedError, RuntimeError, ValueError):  # not the main thread, or no signals here
+            signal.signal(sig, on_signal)
+        except (ValueError, OSError):  # not the main thread
             return
 
 
@@ -98,7 +103,7 @@ def on_startup(app: object) -> None:
     if getattr(getattr(app, "state", None), "engine_client", None) is None:
         return  # no engine in this app (a test app, a render-only server)
     loop = asyncio.get_running_loop()
-    _record_stop_signals(loop)
+    _record_stop_signals()
     task = loop.create_task(_watch(app))
     _tasks.add(task)
     task.add_done_callback(_tasks.discard)

@@ -20,8 +20,8 @@ middleware and routes, and every response on its way out. For each HTTP request 
   a plain-text 500) into `{"error": {"message", "type", "param", "code"}}`.
 
 Websocket connections get the same route classes and key check (a refused one is closed with
-code 1008). On the app's lifespan it starts the engine watch of `serve.lifecycle` and logs the
-route table.
+code 1008). On the app's lifespan start-up it logs the route table, installs our tool-call grammar
+builder (`serve.toolcalls`) and starts the engine watch (`serve.lifecycle`).
 
 Settings come from `CompatSettings` passed to the constructor, else from the attribute
 `qwen35_compat` (a dict) of vLLM's parsed arguments (`app.state.args`), else the defaults. The API
@@ -39,7 +39,7 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
 
-from serve import lifecycle, routes
+from serve import lifecycle, routes, toolcalls
 from serve.checks import Policy, RequestError, check_request, checked_templates, parse_json
 
 log = logging.getLogger("vllm.qwen35.serve")
@@ -281,6 +281,9 @@ class RequestCompatMiddleware:
             receive = _replay(raw, receive)
             if rewrite.strip_streamed_content:
                 send = _StripStreamedContent(send)
+            limit_token = toolcalls.CALL_LIMIT.set(rewrite.tool_call_limit)  # read by the grammar builder
+        else:
+            limit_token = None
         try:
             await self.app(scope, receive, send)
         except Exception:
@@ -288,6 +291,9 @@ class RequestCompatMiddleware:
                 raise
             log.exception("unhandled error serving %s %s", method, scope.get("path"))
             await send_error(send, 500, "internal server error (logged by the server)")
+        finally:
+            if limit_token is not None:
+                toolcalls.CALL_LIMIT.reset(limit_token)
 
     def _refusal(self, scope: Scope, kind: str, template: str | None, resolved: _Resolved) -> tuple[int, str] | None:
         """(status, message) when the request is refused before any other check, else None."""
@@ -314,6 +320,8 @@ class RequestCompatMiddleware:
                 resolved = self._resolve(scope)
                 routes.log_table(routes.app_routes(app), bool(resolved.key_hashes), resolved.settings.admin_routes,
                                  resolved.settings.public_metrics)  # fmt: skip
+                if getattr(getattr(app, "state", None), "engine_client", None) is not None:
+                    toolcalls.install()  # this process builds the requests' tool-call grammars
                 lifecycle.on_startup(app)
             elif message["type"] == "lifespan.shutdown":
                 lifecycle.on_shutdown(app)
