@@ -114,6 +114,12 @@ class ServeConfig(BaseModel):
     public_metrics: Bool | None = opt(
         OURS, "/metrics answers without the API key (false: it needs the key like every other route)"
     )
+    tool_string_max_chars: Int | None = opt(
+        OURS,
+        "longest string a forced or required tool call may write where the tool's schema gives no maxLength "
+        "(null: no limit; the embedded random-weight model never ends a string on its own)",
+        ge=1,
+    )
     vllm_args: StrList | None = opt(OURS, "extra vLLM command-line arguments, appended verbatim")
     # -- model -----------------------------------------------------------------------------------
     model: Str | None = opt(PLAIN, "checkpoint directory or hub id (null: the embedded tiny Qwen3.5 checkpoint)")

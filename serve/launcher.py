@@ -53,7 +53,15 @@ from serve.config import (
 )
 
 MIDDLEWARE = "serve.middleware.RequestCompatMiddleware"
-COMPAT_KEYS = ("max_n", "thinking_off_with_tools", "text_only", "max_request_bytes", "admin_routes", "public_metrics")
+COMPAT_KEYS = (
+    "max_n",
+    "thinking_off_with_tools",
+    "text_only",
+    "max_request_bytes",
+    "admin_routes",
+    "public_metrics",
+    "tool_string_max_chars",
+)
 CPU_KV_CACHE = "4G"
 COMMAND_LINE_KEY_WARNING = (
     "qwen35-serve: WARNING: the API key given with --api-key is visible to every user of this host (ps, "
@@ -63,8 +71,9 @@ COMMAND_LINE_KEY_WARNING = (
 
 # The embedded model is a random toy: compact JSON under grammars (it would pad with whitespace
 # forever), float32 (bf16 logits tie at the top, which makes greedy and top_k=1 disagree), a
-# small KV cache on any host, and thinking off unless asked for (it would never close its
-# thinking, so a plain chat would return no content).
+# small KV cache on any host, thinking off unless asked for (it would never close its thinking,
+# so a plain chat would return no content), and short strings in constrained tool calls (it would
+# never close one).
 EMBEDDED_DEFAULTS: dict[str, object] = {
     "served_model_name": "qwen35-tiny",
     "dtype": "float32",
@@ -73,6 +82,7 @@ EMBEDDED_DEFAULTS: dict[str, object] = {
     "enable_prefix_caching": True,
     "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
     "default_chat_template_kwargs": {"enable_thinking": False},
+    "tool_string_max_chars": 16,
 }
 
 # Scheduling on a CPU host: an engine step computes at most this many tokens, and one request's

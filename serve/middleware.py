@@ -64,6 +64,7 @@ class CompatSettings:
     max_request_bytes: int = 32 * 1024 * 1024
     admin_routes: bool = False
     public_metrics: bool = True
+    tool_string_max_chars: int | None = None
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: read vLLM's args / VLLM_API_KEY
 
     @classmethod
@@ -321,7 +322,7 @@ class RequestCompatMiddleware:
                 routes.log_table(routes.app_routes(app), bool(resolved.key_hashes), resolved.settings.admin_routes,
                                  resolved.settings.public_metrics)  # fmt: skip
                 if getattr(getattr(app, "state", None), "engine_client", None) is not None:
-                    toolcalls.install()  # this process builds the requests' tool-call grammars
+                    toolcalls.install(resolved.settings.tool_string_max_chars)  # this process builds the grammars
                 lifecycle.on_startup(app)
             elif message["type"] == "lifespan.shutdown":
                 lifecycle.on_shutdown(app)

@@ -23,7 +23,8 @@ it at start-up), so that:
 - each call's parameters follow the schema: every required key, in the schema's order, optional
   ones may be left out, no others; enums and consts are spelled exactly; strings are raw text
   between `minLength` and `maxLength` characters (whole UTF-8 characters; a bounded string has no
-  '<') that cannot contain the markup that would end the parameter early; numbers, booleans,
+  '<'; `STRING_MAX_CHARS` bounds the strings whose schema does not, when the server sets it) that
+  cannot contain the markup that would end the parameter early; numbers, booleans,
   nulls, arrays and objects are JSON (at most one whitespace in a row) against their sub-schema,
   `$defs` included;
 - the markup between parameters is exactly the template's, so the parsed value is the generated
@@ -53,6 +54,9 @@ THINK_EXCLUDES = ["<think>", "</think>"]
 FORMAT_NAME = "qwen_3_coder"
 MAX_CALLS = 8
 """Calls in one reply to a `required` tool choice, at most (when parallel calls are allowed)."""
+STRING_MAX_CHARS: int | None = None
+"""Longest string of a constrained call where the schema gives no maxLength (None: no limit); set by
+`install` from the server's `tool_string_max_chars`."""
 CALL_LIMIT: ContextVar[int | None] = ContextVar("qwen35_tool_call_limit", default=None)
 """Calls the request being served may make (set by the middleware around the request; None: no
 limit but vLLM's own `parallel_tool_calls` handling)."""
@@ -81,12 +85,14 @@ def _raw_text(value: object) -> str:
 
 
 def _string_format(schema: dict):
-    """Raw text for a string: its `pattern` when it has one; with a `maxLength`, whole UTF-8 characters
-    other than '<' (so a bounded string cannot open markup, and its length is exact); without one,
-    any text free of the parameter and call markup."""
+    """Raw text for a string: its `pattern` when it has one; with a `maxLength` (or the server's
+    `STRING_MAX_CHARS`), whole UTF-8 characters other than '<' (so a bounded string cannot open
+    markup, and its length is exact); without one, any text free of the parameter and call markup."""
     st = _formats()
     low = schema.get("minLength") if isinstance(schema.get("minLength"), int) else 0
-    high = schema.get("maxLength") if isinstance(schema.get("maxLength"), int) else None
+    high = schema.get("maxLength") if isinstance(schema.get("maxLength"), int) else STRING_MAX_CHARS
+    if high is not None:
+        high = max(high, low)
     if isinstance(schema.get("pattern"), str):
         return st.RegexFormat(pattern=schema["pattern"])
     if high is not None:
@@ -191,12 +197,15 @@ def build(tools: list, builtin_tools: list, tool_choice: str, reasoning: bool, t
     return st.StructuralTag(format=body)
 
 
-def install() -> bool:
-    """Register `build` as vLLM's structural-tag builder for the Qwen3 XML call format; False when
-    this vLLM has no such registry (then its own builder stays)."""
+def install(string_max_chars: int | None = None) -> bool:
+    """Register `build` as vLLM's structural-tag builder for the Qwen3 XML call format, with the
+    server's cap on unbounded strings; False when this vLLM has no such registry (then its own
+    builder stays)."""
+    global STRING_MAX_CHARS
     try:
         from vllm.tool_parsers.structural_tag_registry import register_vllm_structural_tag
     except ImportError:
         return False
+    STRING_MAX_CHARS = string_max_chars
     register_vllm_structural_tag(FORMAT_NAME)(build)
     return True
