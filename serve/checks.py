@@ -31,8 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from serve.toolcalls import MAX_CALLS
-
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 RESPONSES_ROLES = ("system", "developer", "user", "assistant")
 MEDIA_PARTS = ("image_url", "input_image", "image", "image_pil", "image_embeds", "input_audio", "audio_url",
@@ -61,6 +59,7 @@ class Policy:
     model_name: str = "the model"
     max_model_len: int | None = None
     thinking_off_with_tools: bool = False
+    max_tool_calls: int | None = 8
 
 
 @dataclass
@@ -379,7 +378,7 @@ def check_chat(body: dict, policy: Policy, model: object | None) -> Rewrite:
     forced = tool_choice == "required" or isinstance(tool_choice, dict)
     result.strip_streamed_content = bool(body.get("stream") and body.get("tools") and forced)
     if body.get("tools"):
-        result.tool_call_limit = 1 if body.get("parallel_tool_calls") is False else MAX_CALLS
+        result.tool_call_limit = 1 if body.get("parallel_tool_calls") is False else policy.max_tool_calls
     return result
 
 

@@ -114,6 +114,9 @@ class ServeConfig(BaseModel):
     public_metrics: Bool | None = opt(
         OURS, "/metrics answers without the API key (false: it needs the key like every other route)"
     )
+    max_tool_calls: Int | None = opt(
+        OURS, "most tool calls one reply to tool_choice required may hold (parallel_tool_calls false: one)", ge=1
+    )
     tool_string_max_chars: Int | None = opt(
         OURS,
         "longest string a forced or required tool call may write where the tool's schema gives no maxLength "
@@ -251,6 +254,7 @@ QWEN35_DEFAULTS: dict[str, object] = {
     "max_n": 8,
     "thinking_off_with_tools": False,
     "max_request_bytes": 32 * 1024 * 1024,
+    "max_tool_calls": 8,
     "admin_routes": False,
     "public_metrics": True,
 }

@@ -61,6 +61,7 @@ COMPAT_KEYS = (
     "admin_routes",
     "public_metrics",
     "tool_string_max_chars",
+    "max_tool_calls",
 )
 CPU_KV_CACHE = "4G"
 COMMAND_LINE_KEY_WARNING = (
@@ -72,8 +73,8 @@ COMMAND_LINE_KEY_WARNING = (
 # The embedded model is a random toy: compact JSON under grammars (it would pad with whitespace
 # forever), float32 (bf16 logits tie at the top, which makes greedy and top_k=1 disagree), a
 # small KV cache on any host, thinking off unless asked for (it would never close its thinking,
-# so a plain chat would return no content), and short strings in constrained tool calls (it would
-# never close one).
+# so a plain chat would return no content), and short strings and few calls in constrained tool
+# calls (it would never close a string, and would chain calls until max_tokens).
 EMBEDDED_DEFAULTS: dict[str, object] = {
     "served_model_name": "qwen35-tiny",
     "dtype": "float32",
@@ -83,6 +84,7 @@ EMBEDDED_DEFAULTS: dict[str, object] = {
     "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
     "default_chat_template_kwargs": {"enable_thinking": False},
     "tool_string_max_chars": 16,
+    "max_tool_calls": 4,
 }
 
 # Scheduling on a CPU host: an engine step computes at most this many tokens, and one request's

@@ -65,6 +65,7 @@ class CompatSettings:
     admin_routes: bool = False
     public_metrics: bool = True
     tool_string_max_chars: int | None = None
+    max_tool_calls: int | None = 8
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: read vLLM's args / VLLM_API_KEY
 
     @classmethod
@@ -234,7 +235,8 @@ class RequestCompatMiddleware:
             text_only = model_config is not None and not getattr(model_config, "is_multimodal_model", True)
         policy = Policy(max_n=settings.max_n, text_only=text_only, model_name=names[0],
                         max_model_len=getattr(model_config, "max_model_len", None),
-                        thinking_off_with_tools=settings.thinking_off_with_tools)  # fmt: skip
+                        thinking_off_with_tools=settings.thinking_off_with_tools,
+                        max_tool_calls=settings.max_tool_calls)  # fmt: skip
         resolved = _Resolved(settings, [hashlib.sha256(k.encode()).digest() for k in keys], policy,
                              _request_models(app))  # fmt: skip
         if state is None or getattr(state, "vllm_config", None) is not None or self._settings is not None:

@@ -17,9 +17,10 @@ types are read as JSON). vLLM asks a structural-tag builder for the grammar of a
 it at start-up), so that:
 
 - a forced call (`tool_choice` naming a function) is exactly one call of that function, and
-  `required` is one or more calls and nothing else: at most `MAX_CALLS` for a chat request that
-  went through our middleware (which sets `CALL_LIMIT`; one with `parallel_tool_calls: false`),
-  so that a reply always ends (a random-weight model would chain calls until `max_tokens`);
+  `required` is one or more calls and nothing else: at most the server's `max_tool_calls` for a
+  chat request that went through our middleware (which sets `CALL_LIMIT`; one with
+  `parallel_tool_calls: false`), so that a reply always ends (a random-weight model would chain
+  calls until `max_tokens`);
 - each call's parameters follow the schema: every required key, in the schema's order, optional
   ones may be left out, no others; enums and consts are spelled exactly; strings are raw text
   between `minLength` and `maxLength` characters (whole UTF-8 characters; a bounded string has no
@@ -52,8 +53,6 @@ TEXT_EXCLUDES = ["</parameter>", "<parameter=", "</function>", "<function=", "<t
 """Markup a string value cannot contain: vLLM's parser would end the parameter (or the call) there."""
 THINK_EXCLUDES = ["<think>", "</think>"]
 FORMAT_NAME = "qwen_3_coder"
-MAX_CALLS = 8
-"""Calls in one reply to a `required` tool choice, at most (when parallel calls are allowed)."""
 STRING_MAX_CHARS: int | None = None
 """Longest string of a constrained call where the schema gives no maxLength (None: no limit); set by
 `install` from the server's `tool_string_max_chars`."""

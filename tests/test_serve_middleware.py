@@ -450,3 +450,12 @@ def test_schema_checker():
         deep = {"type": "object", "properties": {"x": deep}}
     with pytest.raises(RequestError, match="nested deeper"):
         check_schema(deep, "p")
+
+
+def test_tool_call_limit_follows_parallel_tool_calls_and_the_policy():
+    from serve.checks import check_chat
+
+    policy = Policy(max_tool_calls=3)
+    assert check_chat(chat(tools=TOOLS, tool_choice="required"), policy, None).tool_call_limit == 3
+    assert check_chat(chat(tools=TOOLS, parallel_tool_calls=False), policy, None).tool_call_limit == 1
+    assert check_chat(chat(), policy, None).tool_call_limit is None, "no tools, no limit"

@@ -175,7 +175,7 @@ def _expect_well_formed_call(call: dict, where: str, names: set[str]) -> dict:
     return parsed
 
 
-FORCED_TOKENS = 384
+FORCED_TOKENS = 512
 """max_tokens of the forced and required tool-call checks: room for several complete calls."""
 
 
