@@ -124,7 +124,9 @@ def test_plan_without_a_model_serves_the_embedded_qwen35_checkpoint(monkeypatch,
     assert model.parent == tmp_path / "embedded" and model.name.startswith("Qwen3_5ForCausalLM-")
     assert json.loads((model / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
     for key, value in QWEN35_DEFAULTS.items():
-        assert settings[key] == value
+        assert settings[key] == launcher.EMBEDDED_DEFAULTS.get(key, value)
+    assert settings["default_chat_template_kwargs"] == {"enable_thinking": False}, "the embedded model: thinking off"
+    assert settings["max_num_batched_tokens"] == launcher.CPU_SCHEDULING["max_num_batched_tokens"]
     assert settings["served_model_name"] == "qwen35-tiny" and settings["dtype"] == "float32"
     assert settings["max_model_len"] == 2048 and settings["port"] == 9000, "file and overrides win over defaults"
     assert settings["enforce_eager"] is True and settings["kv_cache_memory_bytes"] == "1G"
