@@ -1,7 +1,8 @@
 """Per-device tuned kernel configs: lookup in the JSON files the tuner writes.
 
-Files live in ``tuning/configs/<device-slug>/<op>.json`` (package data of ``tuning``), or in
-``$QWEN35_CONFIG_DIR/<device-slug>/<op>.json`` which takes precedence. Format::
+Files are read from the user's directory ``$QWEN35_CONFIG_DIR/<device-slug>/<op>.json`` (default
+``~/.cache/qwen35/configs``) first, then from the package's own ``kernels_triton/configs/<device-slug>/<op>.json``
+(package data): a user's file for an op replaces the shipped one. Format::
 
     {"device": "NVIDIA H200", "op": "moe_gemm", "triton": "3.6.0",
      "entries": {"<shape key>": {"<token bucket>": {"BLOCK_M": 64, ..., "num_warps": 4, "num_stages": 3}}}}
@@ -17,13 +18,15 @@ import functools
 import json
 import logging
 import math
-import os
 import re
 from pathlib import Path
 
 import torch
 
+from qwen35 import knobs as qwen35_knobs
+
 log = logging.getLogger("qwen35.kernels_triton")
+SHIPPED_DIR = Path(__file__).resolve().parent / "configs"
 
 
 @functools.cache
@@ -40,12 +43,13 @@ def device_slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
 
 
+def user_dir() -> Path:
+    """The user's config directory: ``QWEN35_CONFIG_DIR``, default ``~/.cache/qwen35/configs``."""
+    return Path(qwen35_knobs.get("QWEN35_CONFIG_DIR")).expanduser()
+
+
 def _search_dirs() -> list[Path]:
-    dirs = []
-    if os.environ.get("QWEN35_CONFIG_DIR"):
-        dirs.append(Path(os.environ["QWEN35_CONFIG_DIR"]))
-    dirs.append(Path(__file__).resolve().parent.parent / "tuning" / "configs")
-    return dirs
+    return [user_dir(), SHIPPED_DIR]
 
 
 @functools.cache

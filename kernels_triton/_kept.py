@@ -4,8 +4,8 @@ An op's internal scratch (what no caller sees after the call: router partials, a
 workspace) can live in one buffer that the next call on the same stream reuses: calls on one stream run one after
 another, so the next call's kernels start after this call's last reader, exactly the guarantee torch's caching
 allocator relies on when it hands a freed block to the next allocation of that stream. What that saves is host time:
-on the H200's (virtualised) hosts a ``torch.empty`` costs 2.5-4.5 µs and every tensor view (a slice, ``split``,
-``view``) another ~3 µs (tuning/notes_moe.md, session 19), tens of µs per MoE block before its expert GEMMs start.
+tens of µs per MoE block before its expert GEMMs start (measured on the H200's host: 2.5-4.5 µs per ``torch.empty``,
+~3 µs per tensor view; tuning/notes_moe.md).
 
 :func:`kept` returns the record for a name, or None where a buffer must not be kept: not a CUDA device, or a CUDA
 graph being captured (a captured graph must own its memory: a kept buffer is replaced when it grows, and two graphs

@@ -1,9 +1,9 @@
 """Launch compiled Triton kernels without the JIT's per-call binder (short prefills are host-bound).
 
 ``JITFunction.run`` binds arguments, derives the specialisation key, looks the kernel up, builds
-launch metadata and only then launches: 46-52 us per launch on the H200 machine's (virtualised)
-host, against 27 us for this launcher in its first form; a prefill makes two launches and an MoE
-block five or six, so at short prompts and decode the host, not the GPU, set the pace.
+launch metadata and only then launches; a prefill makes two launches and an MoE block five or six, so at
+short prompts and decode the host, not the GPU, sets the pace (measured: 46-52 µs per JIT launch against
+27 µs through this launcher on the H200 machine's host, tuning/notes_gdn.md).
 :class:`DirectLauncher` keys its own cache on what Triton specialises on -- constexpr values,
 pointer dtypes (None included) and 16-byte alignment, integers equal to 1 or divisible by 16
 unless the kernel opts out; it compiles and launches the first time
@@ -11,44 +11,60 @@ through the JIT and afterwards hands the arguments straight to the compiled kern
 function, tensors as device addresses (no ``data_ptr()`` call and driver pointer query per tensor).
 
 Everything else goes through the JIT as usual: a tensor not on a CUDA device, an integer beyond
-32 bits, ``TRITON_INTERPRET`` (CPU), launch hooks installed (profilers), or ``QWEN35_DIRECT_LAUNCH=0``
-in the environment.
+32 bits, ``TRITON_INTERPRET`` (CPU), launch hooks installed (profilers), ``QWEN35_DIRECT_LAUNCH=0``
+in the environment, or :func:`set_enabled` ``(False)``.
 Convention: pointer parameters are named ``*_ptr`` (a tensor anywhere else sends the call to the JIT).
 
-Two call forms: ``launcher(grid, args, options)`` with every parameter positional, or
-``launcher[grid](*args, **kwargs)`` like ``kernel[grid](...)`` (trailing parameters by name, the rest of
-the keywords are launch options such as ``num_warps``).
+Two call forms: ``launcher(grid, args, options)`` with every parameter in order (a named tuple from
+:func:`launch_args`), or ``launcher[grid](*args, **kwargs)`` like ``kernel[grid](...)`` (trailing parameters by
+name, the rest of the keywords are launch options such as ``num_warps``).
 """
 
 from __future__ import annotations
 
 import operator
-import os
+from collections import namedtuple
 
 import torch
 import triton
 from triton import knobs
 
+from qwen35 import knobs as qwen35_knobs
+
 _I32 = 2**31
-ENABLED = os.environ.get("QWEN35_DIRECT_LAUNCH", "1") != "0"  # set at import; the module attribute is read
-# at each launch, so tests and benchmarks can switch it
+ENABLED = qwen35_knobs.on("QWEN35_DIRECT_LAUNCH")  # read at each launch (a module global: no per-launch cost)
 
 
-def aligned16(n: int) -> int:
-    """``n`` 4-byte elements rounded up so that the next part of a shared buffer starts 16-byte aligned: Triton
-    specialises on pointer alignment, and parts whose alignment varied with a batch's size would compile new
-    kernel variants in the middle of serving."""
-    return -(-n // 4) * 4
+def set_enabled(on: bool) -> bool:
+    """Send every launch through the direct path (True, the default) or through Triton's JIT (False); returns the
+    previous setting. For benchmarks that time both paths."""
+    global ENABLED
+    before, ENABLED = ENABLED, bool(on)
+    return before
 
 
-def aligned_parts(sizes: list[int] | tuple[int, ...]) -> tuple[int, tuple[int, ...]]:
-    """(4-byte elements in all, start of each part) of parts of ``sizes`` 4-byte elements laid out one after another
-    in one buffer, each starting 16-byte aligned (:func:`aligned16`)."""
-    starts, total = [], 0
-    for n in sizes:
-        starts.append(total)
-        total += aligned16(n)
-    return total, tuple(starts)
+def launch_args(name: str, kernel: triton.JITFunction, tail_from: str) -> tuple[type, type]:
+    """(``<name>Args``, ``<name>Consts``): named tuples of ``kernel``'s parameters in its order, the whole launch and
+    its tail from parameter ``tail_from`` on (what a launch plan fixes, built once per plan by name). A launch's
+    ``<name>Args`` goes to :class:`DirectLauncher` as it is: a tuple whose fields say what each position holds."""
+    names = list(kernel.arg_names)
+    return namedtuple(f"{name}Args", names), namedtuple(f"{name}Consts", names[names.index(tail_from):])
+
+
+_FIELD_INDEX: dict[type, dict[str, int]] = {}
+
+
+def replaced(args: tuple, **changes: object) -> tuple:
+    """``args._replace(**changes)`` for a launch's named tuple in about half the host time (``_replace`` pops every
+    field name from the keywords; a call in parts makes a few of these per part)."""
+    cls = type(args)
+    index = _FIELD_INDEX.get(cls)
+    if index is None:
+        index = _FIELD_INDEX[cls] = {name: i for i, name in enumerate(cls._fields)}
+    values = list(args)
+    for name, value in changes.items():
+        values[index[name]] = value
+    return tuple.__new__(cls, values)
 
 
 def _scratch(size: int, alignment: int, stream: int | None) -> torch.Tensor:
@@ -66,7 +82,7 @@ def ensure_scratch_allocator() -> None:
 
 
 # the current CUDA device without torch.cuda.current_device()'s initialisation check (a tensor argument on a CUDA
-# device has initialised CUDA already): 0.6-0.8 µs per launch less on the H200's hosts
+# device has initialised CUDA already; measured: 0.6-0.8 µs less per launch on the H200's host)
 _get_device = getattr(torch._C, "_cuda_getDevice", None)  # absent from CPU-only builds of torch
 
 
@@ -107,12 +123,11 @@ class DirectLauncher:
         ``data_ptr()`` call and a driver pointer query per tensor on every launch; the JIT's first launch
         of a specialisation checked them, and tensors not on a CUDA device go to the JIT (which rejects them).
 
-        The key is one flat tuple (no tuple per argument: hashing ~45 nested tuples on every lookup cost the H200's
-        host ~1 µs per launch of the GDN prefill, tuning/notes_gdn.md session 15): per pointer ``None`` or its dtype
-        and 16-byte alignment,
-        per specialised int whether it is 1 and whether 16 divides it (else its type), the constexpr values and then
-        their types (True, 1 and 1.0 are equal in Python but compile differently). Each part has a fixed place or
-        a fixed shape per kernel, so two calls get equal keys only where Triton would specialise them alike."""
+        The key is one flat tuple (no tuple per argument: nested tuples cost ~1 µs more per GDN prefill launch on the
+        H200's host, tuning/notes_gdn.md): per pointer ``None`` or its dtype and 16-byte alignment, per specialised
+        int whether it is 1 and whether 16 divides it (else its type), the constexpr values and then their types
+        (True, 1 and 1.0 are equal in Python but compile differently). Each part has a fixed place or a fixed shape
+        per kernel, so two calls get equal keys only where Triton would specialise them alike."""
         key = []
         add = key.append
         raw = list(args)

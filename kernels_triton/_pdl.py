@@ -10,8 +10,6 @@ Users: :mod:`kernels_triton.moe.pdl` (the MoE block's launches) and the GDN deco
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -23,17 +21,6 @@ from kernels_triton._config import device_facts
 def supported(device: torch.device) -> bool:
     """Whether launches on ``device`` can use PDL (a CUDA device of compute capability 9.0 or newer)."""
     return device.type == "cuda" and device_facts(device)[2] >= (9, 0)
-
-
-def env_choice(name: str) -> bool | None:
-    """``True`` / ``False`` where the environment variable ``name`` says ``1`` / ``0``, else ``None`` (the
-    caller's default)."""
-    value = os.environ.get(name)
-    if value in ("0", "1"):
-        return value == "1"
-    if value not in (None, ""):
-        raise ValueError(f"{name}={value!r}: accepted 1 (on), 0 (off) or unset (the default)")
-    return None
 
 
 def options(on: bool) -> dict:

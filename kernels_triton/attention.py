@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from kernels_triton._config import device_facts
-from kernels_triton._launch import DirectLauncher, aligned16
+from kernels_triton._launch import DirectLauncher
+from kernels_triton._util import aligned16, pow2
 
 log = logging.getLogger("qwen35.kernels_triton")
 
@@ -127,9 +128,6 @@ def _aligned_copy(t: torch.Tensor) -> torch.Tensor:
     return out.copy_(t)
 
 
-def _pow2(n: int, lo: int = 1) -> int:
-    return max(lo, 1 << max(n - 1, 0).bit_length())
-
 
 def split_plan(rows: int, L: int, BN: int, sm_count: int, n_splits: int | None = None) -> tuple[int, int]:
     """(blocks per split, number of splits) for ``rows`` (row, kv head) pairs over a cache of L positions."""
@@ -160,7 +158,7 @@ def attention_decode(
     if k_cache.stride() != v_cache.stride() or k_cache.stride()[1:] != (L * D, D, 1):
         raise ValueError("k_cache and v_cache must share strides, with each slot's [KV, L, D] block contiguous")
     G = H // KV
-    BD = _pow2(D, 16)
+    BD = pow2(D, 16)
     cfg = dict(config or {})
     elt = q.element_size()
     BN = cfg.pop("BN", 64 if elt * BD <= 512 else 32)
@@ -186,7 +184,7 @@ def attention_decode(
     _launch_split[(n_splits, B * KV)](
         q, k_cache, v_cache, slots, lengths, part, m_part, l_part,
         float(scale), L, k_cache.stride(0), k_cache.stride(1), per, n_splits,
-        H=H, KV=KV, G=G, GP=_pow2(G, 16), D=D, BD=BD, BN=BN, DOT_PREC=dot_prec, **launch)
+        H=H, KV=KV, G=G, GP=pow2(G, 16), D=D, BD=BD, BN=BN, DOT_PREC=dot_prec, **launch)
     _launch_merge[(B * H,)](part, m_part, l_part, o, n_splits, H=H, KV=KV, G=G, D=D, BD=BD,
-                                   BS=min(32, _pow2(n_splits, 2)), num_warps=4)
+                                   BS=min(32, pow2(n_splits, 2)), num_warps=4)
     return o

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels_triton._launch import DirectLauncher
-from kernels_triton.norms import _pow2
+from kernels_triton._util import pow2
 
 MAX_HEADS_PER_PROGRAM = 16
 
@@ -82,7 +82,7 @@ _launch_gate = DirectLauncher(_sigmoid_gate_kernel)
 
 
 def _heads_per_program(H: int, block_d: int) -> int:
-    return max(1, min(_pow2(H), MAX_HEADS_PER_PROGRAM, 4096 // block_d))
+    return max(1, min(pow2(H), MAX_HEADS_PER_PROGRAM, 4096 // block_d))
 
 
 def _warps(bh: int, block_d: int) -> int:
@@ -98,7 +98,7 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
     ko = torch.empty(T, HK, D, dtype=k.dtype, device=k.device)
     if T == 0:
         return qo, ko
-    block_d = _pow2(D)
+    block_d = pow2(D)
     bh = _heads_per_program(max(HQ, HK), block_d)
     grid = (T, -(-HQ // bh) + -(-HK // bh))
     _launch_qk(grid, (q, k, q_weight, k_weight, cos, sin, qo, ko, HQ, HK, q.stride(0), q.stride(1), k.stride(0),
@@ -113,7 +113,7 @@ def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     y = torch.empty(T, H, D, dtype=x.dtype, device=x.device)
     if T == 0:
         return y
-    block_d = _pow2(D)
+    block_d = pow2(D)
     bh = _heads_per_program(H, block_d)
     _launch_gate((T, -(-H // bh)), (x, gate, y, H, x.stride(0), x.stride(1), gate.stride(0), gate.stride(1), D,
                                     block_d, bh), {"num_warps": _warps(bh, block_d)})

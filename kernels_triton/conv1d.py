@@ -24,14 +24,11 @@ import triton
 import triton.language as tl
 
 from kernels_triton._launch import DirectLauncher
+from kernels_triton._util import pow2
 
 MAX_WIDTH = 8  # as the façade
 PREFILL_ROWS = 16  # token rows per prefill program (BT)
 
-
-def _pow2(n: int) -> int:
-    """Next power of two >= n; plain Python (triton.next_power_of_2 costs microseconds of host time)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @triton.jit
@@ -285,15 +282,15 @@ def _channel_plan(D: int, planes: tuple[int, ...] | None, BD: int) -> tuple[int,
 def _prefill_plan(D: int, W: int, N: int, planes: tuple[int, ...] | None) -> tuple:
     """(BD, P1, P2, channel blocks, plane mode?, binary-search steps over N sequences, BH): launch parameters that
     depend on shapes only, computed once per shape (each costs host time on every call otherwise)."""
-    BD = min(128, _pow2(D))
-    return BD, *_channel_plan(D, planes, BD), max(1, (N - 1).bit_length()), _pow2(W - 1)
+    BD = min(128, pow2(D))
+    return BD, *_channel_plan(D, planes, BD), max(1, (N - 1).bit_length()), pow2(W - 1)
 
 
 @functools.lru_cache(maxsize=1024)
 def _update_plan(D: int, W: int, planes: tuple[int, ...] | None) -> tuple:
     """(BD, P1, P2, channel blocks, plane mode?, BW) of the decode update."""
-    BD = min(256, _pow2(D))
-    return BD, *_channel_plan(D, planes, BD), _pow2(W)
+    BD = min(256, pow2(D))
+    return BD, *_channel_plan(D, planes, BD), pow2(W)
 
 
 def causal_conv1d_prefill(

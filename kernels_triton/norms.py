@@ -15,13 +15,10 @@ import triton
 import triton.language as tl
 
 from kernels_triton._launch import DirectLauncher
+from kernels_triton._util import pow2
 
 ONE_PASS_MAX = 8192
 
-
-def _pow2(n: int) -> int:
-    """Next power of two >= n; plain Python (triton.next_power_of_2 costs microseconds of host time)."""
-    return 1 << max(n - 1, 0).bit_length()
 
 
 @triton.jit
@@ -85,7 +82,7 @@ _ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 def _plan(N: int) -> tuple[int, int, bool, dict]:
     """(BM rows per program, BN, one pass?, launch options) for rows of N: computed once per width."""
     one_pass = N <= ONE_PASS_MAX
-    BN = _pow2(N) if one_pass else 2048
+    BN = pow2(N) if one_pass else 2048
     BM = max(1, min(64, 4096 // BN)) if one_pass else 1
     return BM, BN, one_pass, {"num_warps": 8 if BN * BM >= 4096 else 4}
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import os
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+
+from qwen35 import knobs
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -120,7 +121,7 @@ def value_checks_enabled(t: torch.Tensor) -> bool:
     kind = t.device.type
     if kind != "cpu" and _HOST_BUILT.get():  # first: the common case inside a model host, no environment read
         return False
-    if os.environ.get("QWEN35_CHECK_VALUES", "1") == "0":
+    if not knobs.on("QWEN35_CHECK_VALUES"):
         return False
     if kind == "cpu":
         return True

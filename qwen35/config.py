@@ -1,16 +1,21 @@
-"""Qwen3.5 text-decoder configuration, read from an HF ``config.json`` (dense and MoE).
+"""Qwen3.5 configuration, read from an HF ``config.json`` (dense and MoE).
 
 The multimodal checkpoints (``*ForConditionalGeneration``) nest the decoder's fields under
-``text_config``; the text-only ones (``*ForCausalLM``) keep them at the top level. Both read into
-the same :class:`Qwen35Config`. Only what the text decoder needs is kept; every field is checked
-once here so the model code can trust it.
+``text_config`` and describe their vision tower in ``vision_config`` (read into
+:attr:`Qwen35Config.vision`, with the image token ids); the text-only ones (``*ForCausalLM``) keep
+the decoder's fields at the top level and have no tower. Both read into the same
+:class:`Qwen35Config`. Only what the model needs is kept; every field is checked once here so the
+model code can trust it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from qwen35.mrope import DEFAULT_MROPE_SECTION
+from qwen35.vision import VisionConfig
 
 # architecture name -> (is MoE, text fields nested under "text_config" / weights under "model.language_model.")
 ARCHITECTURES: dict[str, tuple[bool, bool]] = {
@@ -56,6 +61,10 @@ class Qwen35Config:
     shared_expert_intermediate_size: int = 0
     norm_topk_prob: bool = True
     eos_token_id: tuple[int, ...] = field(default=())
+    # multi-axis rotary: rotary frequencies per (time, row, column) position axis, interleaved (qwen35.mrope)
+    mrope_section: tuple[int, int, int] = DEFAULT_MROPE_SECTION
+    # the vision tower and image token ids (ConditionalGeneration checkpoints); None: text only
+    vision: VisionConfig | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -98,7 +107,9 @@ class Qwen35Config:
         text = raw.get("text_config") if nested else raw
         if nested and not isinstance(text, dict):
             raise ValueError(f"{arch} config.json must hold the decoder's fields under 'text_config'")
-        return cls._from_text(arch, is_moe, text, top=raw)
+        cfg = cls._from_text(arch, is_moe, text, top=raw)
+        vision = VisionConfig.from_dict(raw) if nested else None
+        return replace(cfg, vision=vision) if vision is not None else cfg
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike) -> Qwen35Config:
@@ -142,6 +153,11 @@ class Qwen35Config:
         if theta is None:
             raise ValueError(f"{arch} config.json gives no rope_theta (in rope_parameters or at the top level)")
         partial = rope.get("partial_rotary_factor", t.get("partial_rotary_factor", 0.25))
+        section = rope.get("mrope_section", DEFAULT_MROPE_SECTION)
+        if (not isinstance(section, (list, tuple)) or len(section) != 3
+                or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in section)):
+            raise ValueError(f"rope_parameters.mrope_section={section!r}: expected three non-negative integers "
+                             "(rotary frequencies for the time, row and column positions)")
         eos = top.get("eos_token_id", t.get("eos_token_id"))
         eos = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
         common = dict(
@@ -164,6 +180,7 @@ class Qwen35Config:
             linear_value_head_dim=int(need("linear_value_head_dim")),
             linear_conv_kernel_dim=int(need("linear_conv_kernel_dim")),
             eos_token_id=eos,
+            mrope_section=tuple(section),
         )
         if is_moe:
             cfg = cls(**common, num_experts=int(need("num_experts")),

@@ -4,10 +4,11 @@ Reads top to bottom in the order data flows: token embedding -> N decoder layers
 DeltaNet or a gated full-attention mixer, then a dense MLP or a sparse MoE, each behind a
 zero-centred RMSNorm with the residual carried alongside) -> final norm -> LM head.
 
-Tokens are flattened: one forward takes ``input_ids [T]`` and ``positions [T]`` for a whole
-batch of sequences. All numerics go through the op façade :mod:`qwen35.ops`; the only plain
-torch here are the projections (matmuls), the rotary embedding, the attention output gate and the
-dense MLP's SiLU·mul.
+Tokens are flattened: one forward takes ``input_ids [T]`` and ``positions [T]`` (or the
+multi-axis ``[3, T]`` of prompts with images) for a whole batch of sequences. All numerics go
+through the op façade :mod:`qwen35.ops`; the only plain torch here are the projections (matmuls),
+the rotary embedding, the attention output gate and the dense MLP's SiLU·mul. The vision tower
+(:mod:`qwen35.vision`) is the host's: its rows enter through ``inputs_embeds``.
 
 What a host supplies (:class:`Host`), so the model never knows which one runs it:
 
@@ -38,6 +39,7 @@ from torch import nn
 
 from qwen35 import ops
 from qwen35.config import Qwen35Config
+from qwen35.mrope import mrope_angles, mrope_column_axes
 
 # ----------------------------------------------------------------------------- host contract
 
@@ -200,21 +202,26 @@ class Rotary:
     """Partial NeoX-style RoPE on the first ``rotary_dim`` dims of each head: the angles here, the rotation in
     :func:`qwen35.ops.qk_norm_rope`.
 
-    Text-only inputs give all three mrope position rows the same value, so the interleaved mrope
-    of the multimodal checkpoints reduces to this plain RoPE.
+    Positions ``[T]`` give plain RoPE; ``[3, T]`` (time, row, column) give the interleaved multi-axis RoPE of
+    the multimodal checkpoints (:func:`qwen35.mrope.mrope_angles`, ``cfg.mrope_section``). Text tokens carry
+    one value on all three rows, so a text-only prompt gets the same angles either way, bit for bit.
     """
 
     def __init__(self, cfg: Qwen35Config):
         self.dim = cfg.rotary_dim
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
-        self._on_device: dict[torch.device, torch.Tensor] = {}  # no host-to-device copy per step (graph capture)
+        self.axes = mrope_column_axes(self.inv_freq.shape[0], cfg.mrope_section)
+        # (inv_freq, axes) per device: no host-to-device copy per step (CUDA-graph capture)
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """fp32 ``[T, rotary_dim / 2]`` each."""
-        inv_freq = self._on_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._on_device[positions.device] = self.inv_freq.to(positions.device)
-        freqs = positions.to(torch.float32)[:, None] * inv_freq[None, :]
+        """fp32 ``[T, rotary_dim / 2]`` each, for positions ``[T]`` or ``[3, T]``."""
+        constants = self._on_device.get(positions.device)
+        if constants is None:
+            constants = self._on_device[positions.device] = (self.inv_freq.to(positions.device),
+                                                             self.axes.to(positions.device))
+        inv_freq, axes = constants
+        freqs = mrope_angles(positions, inv_freq, axes=axes)
         return freqs.cos(), freqs.sin()
 
 
@@ -245,7 +252,8 @@ class GatedDeltaNet(nn.Module):
     below), each convolved on its own channels, so that no copy sits between the convolution and
     the delta rule. Long inputs multiply by row blocks of ``in_proj``, landing every product
     contiguous (slicing the columns of one wide product costs five strided copies per layer, about
-    a tenth of a 1x8192 prefill); a few tokens take one product and small copies (fewer launches).
+    a tenth of a 1x8192 prefill: tuning/notes_model.md); a few tokens take one product and small copies
+    (fewer launches).
     """
 
     def __init__(self, cfg: Qwen35Config, layer_idx: int, sh: Shards, host: Host, *, dtype, device):
@@ -452,17 +460,26 @@ class Qwen35Model(nn.Module):
             self.lm_head_weight = _param(sh.vocab, cfg.hidden_size, dtype=dtype, device=device)
         self.rotary = Rotary(cfg)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor,
                 inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids, positions ``[T]`` (mrope positions ``[3, T]`` are accepted; text rows are equal)."""
-        if positions.dim() == 2:
-            positions = positions[0]
+        """``input_ids [T]``; ``positions [T]`` or mrope ``[3, T]`` (see :class:`Rotary`); ``inputs_embeds
+        [T, hidden]``, when given, replaces the token embeddings (a host puts image rows there, see
+        :meth:`embed`)."""
         h = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         rope = _StepRope(self.rotary, positions)
         residual = None
         for layer in self.layers:
             h, residual = layer(h, residual, rope)
         h, _ = ops.rms_norm_zero_centered(h, self.norm_weight, self.cfg.rms_norm_eps, residual)
+        return h
+
+    def embed(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None = None,
+              image_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings ``[T, hidden]`` with rows ``image_rows`` replaced by ``image_embeds`` (the vision
+        tower's output for those placeholder tokens, in the same order)."""
+        h = self.embed_tokens(input_ids)
+        if image_rows is not None:
+            h[image_rows] = image_embeds.to(h.dtype)
         return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,202 +1,23 @@
-"""Tiny numerical self-tests: one small case per op, run on the probed device.
+"""Tiny numerical self-tests: a candidate backend's op on its case from the op table, against the reference.
 
-The probe runs a candidate backend's op on a case and compares it, by relative error,
-with the reference computed in fp64 on the CPU. The cases are small but cover the paths that
-break first: ragged varlen spanning several chunks, grouped value heads, a state pool with a
-padded slot, fused gating and L2 norm.
+The probe runs a backend's op on the op's case (:mod:`qwen35.cases`) on the probed device and compares it,
+by relative error, with the reference computed in fp64 on the CPU; the op's row in :mod:`qwen35.optable`
+holds the tolerance per compute dtype.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
-from qwen35 import reference
-
-# rel-err budget of a self-test per compute dtype; loose enough for tf32/bf16 dots, tight
-# enough that a wrong kernel (sign, index, missing term) cannot pass.
-TOLERANCE = {torch.float16: 1e-2, torch.bfloat16: 2.5e-2, torch.float32: 5e-3, torch.float64: 1e-9}
+from qwen35 import optable
 
 
-@dataclass
-class Case:
-    kwargs: dict
-    mutated: list[str] = field(default_factory=list)  # kwargs the op updates in place (pools)
-
-
-def _rand(gen: torch.Generator, *shape: int, dtype: torch.dtype, device: torch.device, scale: float = 1.0):
-    return (torch.randn(*shape, generator=gen, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
-
-
-def _gdn_prefill_case(device, dtype, gen) -> Case:
-    H, HV, K, V = 2, 4, 64, 64
-    lens = [5, 70, 1]
-    T = sum(lens)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    pool = _rand(gen, 5, HV, K, V, dtype=torch.float32, device=device, scale=0.1)
-    return Case(
-        dict(
-            q=_rand(gen, T, H, K, dtype=dtype, device=device),
-            k=_rand(gen, T, H, K, dtype=dtype, device=device),
-            v=_rand(gen, T, HV, V, dtype=dtype, device=device),
-            a=_rand(gen, T, HV, dtype=dtype, device=device),
-            b=_rand(gen, T, HV, dtype=dtype, device=device),
-            A_log=_rand(gen, HV, dtype=torch.float32, device=device, scale=0.5),
-            dt_bias=_rand(gen, HV, dtype=torch.float32, device=device, scale=0.5),
-            cu_seqlens=cu,
-            state_pool=pool,
-            state_slots=torch.tensor([3, 0, -1], dtype=torch.int32, device=device),
-            has_initial_state=torch.tensor([True, False, True], device=device),
-            use_qk_l2norm=True,
-        ),
-        mutated=["state_pool"],
-    )
-
-
-def _gdn_step_case(device, dtype, gen) -> Case:
-    B, T, H, HV, K, V = 3, 2, 2, 4, 64, 64
-    return Case(
-        dict(
-            q=_rand(gen, B, T, H, K, dtype=dtype, device=device),
-            k=_rand(gen, B, T, H, K, dtype=dtype, device=device),
-            v=_rand(gen, B, T, HV, V, dtype=dtype, device=device),
-            a=_rand(gen, B, T, HV, dtype=dtype, device=device),
-            b=_rand(gen, B, T, HV, dtype=dtype, device=device),
-            A_log=_rand(gen, HV, dtype=torch.float32, device=device, scale=0.5),
-            dt_bias=_rand(gen, HV, dtype=torch.float32, device=device, scale=0.5),
-            state_pool=_rand(gen, 4, HV, K, V, dtype=torch.float32, device=device, scale=0.1),
-            state_slots=torch.tensor([2, -1, 0], dtype=torch.int32, device=device),
-            use_qk_l2norm=True,
-        ),
-        mutated=["state_pool"],
-    )
-
-
-def _conv_prefill_case(device, dtype, gen) -> Case:
-    D, W, lens = 48, 4, [2, 9, 1]
-    T = sum(lens)
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    return Case(
-        dict(
-            x=_rand(gen, T, D, dtype=dtype, device=device),
-            weight=_rand(gen, D, W, dtype=dtype, device=device, scale=0.5),
-            bias=_rand(gen, D, dtype=dtype, device=device),
-            cu_seqlens=cu,
-            conv_pool=_rand(gen, 4, D, W - 1, dtype=dtype, device=device),
-            conv_slots=torch.tensor([1, 3, -1], dtype=torch.int32, device=device),
-            has_initial_state=torch.tensor([True, False, True], device=device),
-            activation="silu",
-        ),
-        mutated=["conv_pool"],
-    )
-
-
-def _conv_update_case(device, dtype, gen) -> Case:
-    B, D, W = 3, 48, 4
-    return Case(
-        dict(
-            x=_rand(gen, B, D, dtype=dtype, device=device),
-            weight=_rand(gen, D, W, dtype=dtype, device=device, scale=0.5),
-            bias=None,
-            conv_pool=_rand(gen, 4, D, W - 1, dtype=dtype, device=device),
-            conv_slots=torch.tensor([3, -1, 0], dtype=torch.int32, device=device),
-            activation="silu",
-        ),
-        mutated=["conv_pool"],
-    )
-
-
-def _gated_norm_case(device, dtype, gen) -> Case:
-    x, z = (_rand(gen, 7, 4, 64, dtype=dtype, device=device) for _ in range(2))
-    return Case(dict(x=x, z=z, weight=_rand(gen, 64, dtype=dtype, device=device), eps=1e-6))
-
-
-def _zc_norm_case(device, dtype, gen) -> Case:
-    x, residual = (_rand(gen, 7, 96, dtype=dtype, device=device) for _ in range(2))
-    weight = _rand(gen, 96, dtype=dtype, device=device, scale=0.1)
-    return Case(dict(x=x, weight=weight, eps=1e-6, residual=residual))
-
-
-def _moe_tensors(device, dtype, gen, E=8, H=64, I=32):
-    return dict(
-        w13=_rand(gen, E, 2 * I, H, dtype=dtype, device=device, scale=H**-0.5),
-        w2=_rand(gen, E, H, I, dtype=dtype, device=device, scale=I**-0.5),
-    )
-
-
-def _moe_route_case(device, dtype, gen) -> Case:
-    return Case(dict(router_logits=_rand(gen, 9, 16, dtype=dtype, device=device), top_k=4, renormalize=True))
-
-
-def _moe_experts_case(device, dtype, gen) -> Case:
-    M, E, k = 9, 8, 2
-    logits = torch.randn(M, E, generator=gen)
-    weights, ids = reference.moe_route(logits, k)
-    return Case(dict(x=_rand(gen, M, 64, dtype=dtype, device=device), **_moe_tensors(device, dtype, gen),
-                     topk_weights=weights.to(device), topk_ids=ids.to(device), expert_map=None))
-
-
-def _moe_block_case(device, dtype, gen) -> Case:
-    H, Is = 64, 32
-    return Case(dict(
-        x=_rand(gen, 9, H, dtype=dtype, device=device),
-        router_weight=_rand(gen, 8, H, dtype=dtype, device=device),
-        **_moe_tensors(device, dtype, gen),
-        top_k=2,
-        renormalize=True,
-        shared_w13=_rand(gen, 2 * Is, H, dtype=dtype, device=device, scale=H**-0.5),
-        shared_w2=_rand(gen, H, Is, dtype=dtype, device=device, scale=Is**-0.5),
-        shared_gate_weight=_rand(gen, 1, H, dtype=dtype, device=device),
-        expert_map=None,
-    ))
-
-
-def _attention_decode_case(device, dtype, gen) -> Case:
-    S, KV, L, D, H = 4, 2, 80, 64, 6
-    return Case(dict(
-        q=_rand(gen, 3, H, D, dtype=dtype, device=device),
-        k_cache=_rand(gen, S, KV, L, D, dtype=dtype, device=device),
-        v_cache=_rand(gen, S, KV, L, D, dtype=dtype, device=device),
-        slots=torch.tensor([2, -1, 0], dtype=torch.int32, device=device),
-        lengths=torch.tensor([77, 5, 1], dtype=torch.int32, device=device),
-        scale=D**-0.5,
-    ))
-
-
-def _qk_norm_rope_case(device, dtype, gen) -> Case:
-    T, HQ, HK, D, half = 5, 6, 2, 64, 16  # q and k: column slices of one projection (strided, as in the model)
-    proj = _rand(gen, T, (2 * HQ + 2 * HK) * D, dtype=dtype, device=device)
-    q = proj[:, :2 * HQ * D].view(T, HQ, 2 * D)[..., :D]
-    k = proj[:, 2 * HQ * D:(2 * HQ + HK) * D].view(T, HK, D)
-    angles = torch.rand(T, half, generator=gen) * 6.0
-    return Case(dict(q=q, k=k, q_weight=_rand(gen, D, dtype=dtype, device=device, scale=0.1),
-                     k_weight=_rand(gen, D, dtype=dtype, device=device, scale=0.1),
-                     cos=angles.cos().to(device), sin=angles.sin().to(device), eps=1e-6))
-
-
-def _gate_case(device, dtype, gen) -> Case:
-    T, H, D = 5, 3, 64
-    gate = _rand(gen, T, H, 2 * D, dtype=dtype, device=device)[..., D:]
-    return Case(dict(x=_rand(gen, T, H, D, dtype=dtype, device=device), gate=gate))
-
-
-CASES: dict[str, Callable[[torch.device, torch.dtype, torch.Generator], Case]] = {
-    "gdn_chunk_prefill": _gdn_prefill_case,
-    "gdn_recurrent_step": _gdn_step_case,
-    "causal_conv1d_prefill": _conv_prefill_case,
-    "causal_conv1d_update": _conv_update_case,
-    "rms_norm_gated": _gated_norm_case,
-    "rms_norm_zero_centered": _zc_norm_case,
-    "moe_route": _moe_route_case,
-    "moe_experts": _moe_experts_case,
-    "moe_block": _moe_block_case,
-    "attention_decode": _attention_decode_case,
-    "qk_norm_rope": _qk_norm_rope_case,
-    "sigmoid_gate_mul": _gate_case,
-}
+def tolerance(op: str, dtype: torch.dtype) -> float:
+    """The self-test's rel-err budget for ``op`` computed in ``dtype``."""
+    return optable.get(op).tolerance[dtype]
 
 
 def _flatten(result, kwargs: dict, mutated: list[str]) -> list[torch.Tensor]:
@@ -211,11 +32,12 @@ def _to_cpu64(value):
 
 
 def relative_error(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
-    """||out - ref|| / ||ref|| over all float outputs together.
+    """The largest ``||out - ref|| / ||ref||`` over the outputs, each output (result or updated pool) on its own:
+    pooled together, a large pool would hide a wrong small output.
 
     inf when a shape differs, any output is non-finite, or an integer output (ids) differs at all.
     """
-    num = den = 0.0
+    worst = 0.0
     for o, r in zip(outs, refs, strict=True):
         o = o.detach().cpu()
         if o.shape != r.shape:
@@ -227,19 +49,21 @@ def relative_error(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
         o = o.double()
         if not torch.isfinite(o).all():
             return math.inf
-        num += float((o - r.double()).pow(2).sum())
-        den += float(r.double().pow(2).sum())
-    return math.sqrt(num / max(den, 1e-300))
+        num = float((o - r.double()).pow(2).sum())
+        den = float(r.double().pow(2).sum())
+        worst = max(worst, math.sqrt(num / max(den, 1e-300)))
+    return worst
 
 
 def check(op: str, fn: Callable, device: torch.device, dtype: torch.dtype, seed: int = 0) -> float:
     """Run ``fn`` (a backend's ``op``) on the op's tiny case; return its rel err vs fp64 reference."""
+    row = optable.get(op)
     gen = torch.Generator().manual_seed(seed)
-    case = CASES[op](device, dtype, gen)
+    case = row.case(device, dtype, gen)
     ref_kwargs = {k: _to_cpu64(v) for k, v in case.kwargs.items()}
     kwargs = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in case.kwargs.items()}
     result = fn(**kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    ref_result = getattr(reference, op)(**ref_kwargs)
+    ref_result = row.reference(**ref_kwargs)
     return relative_error(_flatten(result, kwargs, case.mutated), _flatten(ref_result, ref_kwargs, case.mutated))

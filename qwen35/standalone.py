@@ -7,278 +7,232 @@ decode). :meth:`Qwen35Standalone.generate` does greedy or sampled generation on 
 
     m = Qwen35Standalone.from_pretrained("ckpt/", device="cuda", dtype=torch.bfloat16)
     out = m.generate([[1, 2, 3], [4, 5]], max_new_tokens=16)
+
+Dtype: ``dtype`` is a torch dtype or its name (``"float16"``, ``"bfloat16"``, ``"float32"``,
+``"float64"``), or ``"auto"``: bf16 on a GPU that computes it, else fp16 (V100, T4, Iluvatar), fp32
+on the CPU. Weights, activations, KV caches and conv pools take it; GDN recurrent states, ``A_log``
+and ``dt_bias`` stay fp32. ``dtype=float16`` runs end to end on every backend (``cuda_sm70``
+computes only fp16 and fp32); a bf16 checkpoint loaded as fp16 reports the values beyond fp16's
+range (:mod:`qwen35.checkpoint`, ``QWEN35_FP16_OVERFLOW``).
+
+Images (checkpoints with a ``vision_config``): a prompt names each image by one image token
+(``image_token_id``, what a chat template writes between ``<|vision_start|>`` and
+``<|vision_end|>``) and the images come alongside, per prompt, as bytes, ``data:`` URLs, PIL images
+or ``[H, W, 3]`` uint8 arrays:
+
+    out = m.generate([[5, VS, IMG, VE, 7]], 16, images=[[png_bytes]])
+
+Each placeholder grows into the image's tokens (:func:`qwen35.mrope.expand_image_placeholders`, the
+rule vLLM's prompt replacement applies), the images go through :mod:`qwen35.image_processor` and the
+vision tower, and their rows replace those tokens' embeddings. The slot keeps the prompt's
+multi-axis positions (:func:`qwen35.mrope.mrope_positions`), so steps over it get ``[3, T]``
+positions (any chunking of the prompt works) and generated tokens continue at ``index + delta``.
+:meth:`Qwen35Standalone.attach_images` does the same for callers of :meth:`~Qwen35Standalone.step`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from qwen35 import ops
 from qwen35.checkpoint import load_checkpoint, load_weights
 from qwen35.config import Qwen35Config
-from qwen35.model import GDNStep, Parallel, Qwen35Model, report_backends_once
+from qwen35.model import Qwen35Model, report_backends_once
+from qwen35.mrope import expand_image_placeholders, mrope_positions
+from qwen35.slots import Batch, StandaloneHost, StepBuffer, token_row
+from qwen35.vision import VisionTower, split_by_image
+
+if TYPE_CHECKING:
+    from PIL.Image import Image
+
+    from qwen35.image_processor import ImageProcessorConfig
 
 log = logging.getLogger("qwen35.standalone")
 
+# what one image may be: encoded bytes, a data: URL, a PIL image, an [H, W, 3] uint8 array
+ImageSource = Union[bytes, str, "Image", np.ndarray]  # noqa: UP007 - a forward reference inside
+
 
 @dataclass
-class _Batch:
-    """The layout of one step, shared by every layer: decode rows first, then prefill rows."""
+class _SlotImages:
+    """What a slot whose prompt holds images needs at every step: the prompt's multi-axis positions, the decode
+    offset, and the vision tower's rows for its image tokens."""
 
-    num_decodes: int
-    decode_slots: torch.Tensor  # [nd] (device)
-    decode_lens: torch.Tensor | None  # [nd] keys each decode row attends to, its own included (device)
-    prefills: list[tuple[int, int, int, int]]  # (slot, context, new tokens, first token row)
-    token_slots: torch.Tensor  # [T] slot of every token
-    token_positions: torch.Tensor  # [T]
-    gdn: dict  # batch fields of GDNStep
+    positions: np.ndarray  # [3, prompt tokens] int32
+    delta: int  # token index + delta = position of the tokens after the prompt
+    rows: np.ndarray  # [R] int64, ascending: prompt indices of the image tokens
+    embeds: torch.Tensor  # [R, hidden] on the model's device
 
 
-# SDPA kernels for prefill shapes that change from step to step (continued prefills). cuDNN's kernel is
-# left out there: it builds an execution plan per new shape (H200, torch 2.11: 70 ms, over 1 s for the
-# first), which made eager decode cost 60-80 ms a step when decode still went through SDPA. Where shapes
-# come from a small fixed set (fresh prompts padded to PREFILL_BUCKET) torch's own choice stands, cuDNN
-# first on Hopper: 0.85 ms against flash's 1.9 ms for a 1x8192 causal prefill at 16 heads of 256.
-# Decode rows use ops.attention_decode.
-VARYING_SHAPE_SDPA = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
-PREFILL_BUCKET = 256  # fresh prompts are padded to a multiple of this many tokens for attention
+DTYPES: dict[str, torch.dtype] = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32,
+                                  "float64": torch.float64}  # fp64: every op on the reference (ground truth)
 
 
-def _sdpa_backends(fixed_shapes: bool):
-    return contextlib.nullcontext() if fixed_shapes else sdpa_kernel(VARYING_SHAPE_SDPA)
+def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch.dtype:
+    """The model dtype for a ``dtype`` argument: a torch float dtype of :data:`DTYPES`, its name, or ``"auto"``
+    (the device's default compute dtype: bf16 where the GPU computes it, else fp16; fp32 on the CPU)."""
+    if isinstance(dtype, str):
+        if dtype == "auto":
+            from qwen35 import probe
 
-
-class SlotAttention(nn.Module):
-    """Full attention over per-slot KV buffers ``[slots, kv_heads, max_len, head_dim]``: decode rows through
-    :func:`qwen35.ops.attention_decode`, prefills through SDPA."""
-
-    def __init__(self, host: StandaloneHost, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
-        super().__init__()
-        self.host, self.H, self.KV, self.D, self.scale = host, num_heads, num_kv_heads, head_dim, scale
-        shape = (host.max_seqs, num_kv_heads, host.max_len, head_dim)
-        self.k_cache = torch.zeros(shape, dtype=host.dtype, device=host.device)
-        self.v_cache = torch.zeros(shape, dtype=host.dtype, device=host.device)
-
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        b = self.host.batch
-        T, H, KV, D = q.shape[0], self.H, self.KV, self.D
-        if not b.num_decodes and len(b.prefills) == 1:  # one prompt: its keys go to one slot's consecutive rows
-            slot, ctx, n, _ = b.prefills[0]
-            self.k_cache[slot, :, ctx:ctx + n] = k.view(T, KV, D).transpose(0, 1)
-            self.v_cache[slot, :, ctx:ctx + n] = v.view(T, KV, D).transpose(0, 1)
-            return self._prefill(q, slot, ctx, n)
-        self.k_cache[b.token_slots, :, b.token_positions] = k.view(T, KV, D)
-        self.v_cache[b.token_slots, :, b.token_positions] = v.view(T, KV, D)
-        out = q.new_empty(T, H * D)
-        if b.num_decodes:
-            nd = b.num_decodes
-            o = ops.attention_decode(q[:nd].view(nd, H, D), self.k_cache, self.v_cache, slots=b.decode_slots,
-                                     lengths=b.decode_lens, scale=self.scale)
-            out[:nd] = o.view(nd, H * D)
-        for slot, ctx, n, row in b.prefills:
-            out[row:row + n] = self._prefill(q[row:row + n], slot, ctx, n)
-        return out
-
-    def _prefill(self, q: torch.Tensor, slot: int, ctx: int, n: int) -> torch.Tensor:
-        H, KV, D, cache_len = self.H, self.KV, self.D, self.k_cache.shape[2]
-        if ctx == 0:
-            # A fresh prompt, causal: padding it at the end changes none of its rows (no real query sees
-            # a later key), and a bounded set of lengths lets torch use its planned (cuDNN) kernel.
-            padded = -(-n // PREFILL_BUCKET) * PREFILL_BUCKET
-            fixed = padded <= cache_len
-            m = padded if fixed else n
-            qs = q.view(n, H, D).transpose(0, 1)
-            if m > n:
-                qs = torch.cat([qs, qs.new_zeros(H, m - n, D)], dim=1)
-            keys, values = self.k_cache[slot, :, :m][None], self.v_cache[slot, :, :m][None]
-            with _sdpa_backends(fixed):
-                o = F.scaled_dot_product_attention(qs[None], keys, values, is_causal=True, scale=self.scale,
-                                                   enable_gqa=H != KV)
-            return o[0, :, :n].transpose(0, 1).reshape(n, H * D)
-        # continuing a sequence: query i sees keys 0 .. ctx + i (kv heads repeated: the masked kernels
-        # take no grouped heads)
-        qs = q.view(n, H, D).transpose(0, 1)[None]
-        key_pos = torch.arange(ctx + n, device=q.device)
-        mask = key_pos[None, :] <= (ctx + torch.arange(n, device=q.device))[:, None]
-        keys = self.k_cache[slot, :, : ctx + n].repeat_interleave(H // KV, dim=0)[None]
-        values = self.v_cache[slot, :, : ctx + n].repeat_interleave(H // KV, dim=0)[None]
-        with _sdpa_backends(False):
-            o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=self.scale)
-        return o[0].transpose(0, 1).reshape(n, H * D)
-
-
-def _aligned16(n: int) -> int:
-    """``n`` int32 values rounded up to a multiple of 16 bytes (as kernels_triton._launch.aligned16)."""
-    return -(-n // 4) * 4
-
-
-class _StepBuffer:
-    """The int32 values one step sends to the device: named parts of one host buffer (pinned for a
-    CUDA device), filled in place through numpy and copied with one asynchronous transfer.
-
-    The host memory is kept from step to step (pinning memory costs a system call; the caching allocator's
-    per-step bookkeeping is host time too) and grows when a step needs more. Before it is written again, the
-    event recorded after the last copy is awaited: the copy reads the host memory when the device gets to it,
-    so a buffer rewritten earlier would send the next step's values.
-    """
-
-    def __init__(self, pinned: bool):
-        self.pinned = pinned
-        self.host = torch.empty(0, dtype=torch.int32)
-        self._np = self.host.numpy()
-        self.parts: dict[str, tuple[int, int]] = {}
-        self._copied: torch.cuda.Event | None = None  # recorded after the last copy, until awaited
-        self._event: torch.cuda.Event | None = None
-
-    def layout(self, sizes: dict[str, int]) -> None:
-        """Lay out the parts (each 16-byte aligned: Triton specialises kernels on pointer alignment)."""
-        self.parts, at = {}, 0
-        for name, n in sizes.items():
-            self.parts[name] = (at, n)
-            at += _aligned16(n)
-        if self._copied is not None:
-            self._copied.synchronize()
-            self._copied = None
-        if self.host.numel() < at:
-            self.host = torch.empty(max(at, 2 * self.host.numel(), 256), dtype=torch.int32, pin_memory=self.pinned)
-            self._np = self.host.numpy()
-
-    def part(self, name: str) -> np.ndarray:
-        at, n = self.parts[name]
-        return self._np[at:at + n]
-
-    def flags(self, name: str) -> np.ndarray:
-        """A part holding bools, one byte each (read on the device as a bool tensor, no conversion kernel)."""
-        at, n = self.parts[name]
-        return self._np.view(np.uint8)[4 * at:4 * at + n]
-
-    def send(self, device: torch.device, flags: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-        """Device views of every part, sent with one asynchronous copy (``flags``: parts read as bools)."""
-        hi = max((at + _aligned16(n) for at, n in self.parts.values()), default=0)
-        if device.type == "cpu":
-            buf = self.host[:hi]  # used by this step only, which has finished when the next one rewrites it
-        else:
-            buf = self.host[:hi].to(device, non_blocking=True)
-            if self.pinned:
-                self._event = self._event or torch.cuda.Event()
-                self._event.record()  # after the copy: guards the buffer until the device has read it
-                self._copied = self._event
-        raw = buf.view(torch.uint8)
-        return {name: raw[4 * at:4 * at + n].view(torch.bool) if name in flags else buf[at:at + n]
-                for name, (at, n) in self.parts.items()}
-
-
-def _token_row(tokens, slot: int):  # noqa: ANN001, ANN202
-    """One sequence's new tokens as given (a list of ints) or as a 1-D integer array (numpy, or a CPU tensor:
-    copied into the step's buffer without a Python loop over the tokens)."""
-    if isinstance(tokens, torch.Tensor):
-        if tokens.device.type != "cpu":
-            raise ValueError(f"tokens for slot {slot} are on {tokens.device}; pass them as a CPU tensor or a list")
-        tokens = tokens.numpy()
-    if isinstance(tokens, np.ndarray) and (tokens.ndim != 1 or tokens.dtype.kind not in "iu"):
-        raise ValueError(f"tokens for slot {slot} must be a 1-D integer array, got shape {tuple(tokens.shape)} "
-                         f"dtype {tokens.dtype}")
-    return tokens
-
-
-class SlotGDNState:
-    """Conv and recurrent-state pools of one GDN layer, one slot per sequence."""
-
-    def __init__(self, host: StandaloneHost, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
-                 conv_dtype: torch.dtype):
-        self.host = host
-        self.conv_pool = torch.zeros(host.max_seqs, *conv_shape, dtype=conv_dtype, device=host.device)
-        self.state_pool = torch.zeros(host.max_seqs, *state_shape, dtype=torch.float32, device=host.device)
-
-    def run(self, core, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        step = GDNStep(conv_pool=self.conv_pool, state_pool=self.state_pool, **self.host.batch.gdn)
-        core(step, qkv, a, b, out)
-
-
-class StandaloneHost:
-    """What the model needs from its host: no tensor parallelism, SDPA attention, slot pools."""
-
-    parallel = Parallel()
-
-    def __init__(self, *, device: torch.device, dtype: torch.dtype, max_seqs: int, max_len: int):
-        self.device, self.dtype, self.max_seqs, self.max_len = device, dtype, max_seqs, max_len
-        self.batch: _Batch | None = None  # the running step's layout
-
-    def attention(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                  scale: float) -> SlotAttention:
-        return SlotAttention(self, num_heads, num_kv_heads, head_dim, scale)
-
-    def gdn_state(self, layer_idx: int, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
-                  conv_dtype: torch.dtype) -> SlotGDNState:
-        return SlotGDNState(self, conv_shape, state_shape, conv_dtype)
+            return probe.device_caps(device).compute_dtype
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype={dtype!r}; accepted: {', '.join(DTYPES)}, auto (or a torch dtype of those)")
+        return DTYPES[dtype]
+    if dtype not in DTYPES.values():
+        raise ValueError(f"dtype={dtype}; accepted: {', '.join(f'torch.{n}' for n in DTYPES)} (or their names, "
+                         "or 'auto')")
+    return dtype
 
 
 class Qwen35Standalone:
     """A loaded model with per-sequence caches; see the module docstring."""
 
-    def __init__(self, cfg: Qwen35Config, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
-                 max_seqs: int = 8, max_len: int = 4096):
+    def __init__(self, cfg: Qwen35Config, *, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | str = torch.float32, max_seqs: int = 8, max_len: int = 4096,
+                 image_processor: ImageProcessorConfig | None = None):
         if max_seqs < 1 or max_len < 1:
             raise ValueError(f"max_seqs={max_seqs} and max_len={max_len} must be >= 1")
-        self.cfg, self.device, self.dtype = cfg, torch.device(device), dtype
+        self.device = torch.device(device)
+        dtype = resolve_dtype(dtype, self.device)
+        self.cfg, self.dtype = cfg, dtype
         report_backends_once(self.device, log)
         self.host = StandaloneHost(device=self.device, dtype=dtype, max_seqs=max_seqs, max_len=max_len)
         with torch.device(self.device):
             self.model = Qwen35Model(cfg, self.host, dtype=dtype, device=self.device)
         self.model.eval()
+        self.visual: VisionTower | None = None  # the vision tower, for checkpoints with a vision_config
+        self.image_processor: ImageProcessorConfig | None = None
+        if cfg.vision is not None:
+            self.visual = VisionTower(cfg.vision, dtype=dtype, device=self.device).eval()
+            self.image_processor = _image_processor_for(cfg, image_processor)
         self.lengths = [0] * max_seqs
         self.free = list(range(max_seqs))
-        self._step_buffer = _StepBuffer(pinned=self.device.type == "cuda")
+        self._images: dict[int, _SlotImages] = {}  # slots whose prompt holds images
+        self._step_buffer = StepBuffer(pinned=self.device.type == "cuda")
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kw) -> Qwen35Standalone:
-        """Build from an HF checkpoint directory (config.json + safetensors)."""
-        m = cls(Qwen35Config.from_dir(path), **kw)
+        """Build from an HF checkpoint directory (config.json + safetensors; ``preprocessor_config.json`` for the
+        image processor of a checkpoint with a vision tower, its defaults when absent)."""
+        cfg = Qwen35Config.from_dir(path)
+        if cfg.vision is not None and kw.get("image_processor") is None:
+            from qwen35.image_processor import ImageProcessorConfig
+
+            kw["image_processor"] = ImageProcessorConfig.from_dir(path)
+        m = cls(cfg, **kw)
         with torch.no_grad():
-            load_checkpoint(m.model, path)
+            load_checkpoint(m.model, path, visual=m.visual)
         return m
 
     def load_state(self, weights) -> None:
         """Load (name, tensor) pairs under HF checkpoint names (e.g. an HF model's state_dict().items())."""
         with torch.no_grad():
-            load_weights(self.model, weights)
+            load_weights(self.model, weights, visual=self.visual)
 
     # ---------------------------------------------------------------- sequences
 
     def allocate(self, n: int) -> list[int]:
         """Reserve ``n`` fresh sequence slots (lowest first)."""
-        if n > len(self.free):
-            raise ValueError(f"asked for {n} sequences but only {len(self.free)} of {self.host.max_seqs} "
-                             "slots are free")
+        self._check_free(n)
         self.free.sort()
         slots, self.free = self.free[:n], self.free[n:]
         for s in slots:
             self.lengths[s] = 0
+            self._images.pop(s, None)
         return slots
+
+    def _check_free(self, n: int) -> None:
+        if n > len(self.free):
+            raise ValueError(f"asked for {n} sequences but only {len(self.free)} of {self.host.max_seqs} "
+                             "slots are free")
 
     def release(self, slots: list[int]) -> None:
         for s in slots:
+            self._images.pop(s, None)
             if s not in self.free:
                 self.free.append(s)
 
+    # ---------------------------------------------------------------- images
+
+    @torch.no_grad()
+    def attach_images(self, slot: int, prompt: Sequence[int] | np.ndarray | torch.Tensor,
+                      images: Sequence[ImageSource]) -> np.ndarray:
+        """Prepare a fresh slot's prompt with images; returns the token ids to feed it (through :meth:`step`, in
+        any chunks): the prompt with each image placeholder grown into the image's tokens.
+
+        Raises ValueError when the checkpoint has no vision tower or the placeholders do not match the images,
+        :class:`qwen35.image_processor.ImageInputError` for an image that cannot be used.
+        """
+        if not 0 <= slot < self.host.max_seqs or slot in self.free:
+            raise ValueError(f"slot {slot} is not an allocated sequence")
+        if self.lengths[slot]:
+            raise ValueError(f"slot {slot} already holds {self.lengths[slot]} tokens; images go with a fresh prompt")
+        (ids,), (info,) = self._prepare_images([prompt], [images])
+        if info is not None:
+            self._images[slot] = info
+        return ids
+
+    def _prepare_images(self, prompts: Sequence, images: Sequence[Sequence[ImageSource] | None] | None
+                        ) -> tuple[list, list[_SlotImages | None]]:
+        """(tokens to feed, per-slot image state) for each prompt: placeholders expanded, every image of the batch
+        through the processor and one tower call."""
+        if images is None:
+            return list(prompts), [None] * len(prompts)
+        if isinstance(images, (str, bytes)) or len(images) != len(prompts):
+            raise ValueError(f"images must hold one list of images per prompt ({len(prompts)} prompts), got "
+                             f"{type(images).__name__}" + ("" if isinstance(images, (str, bytes)) else
+                                                           f" of {len(images)}"))
+        for i, imgs in enumerate(images):
+            if imgs is not None and not isinstance(imgs, (list, tuple)):
+                raise ValueError(f"images[{i}] must be a list of images (or None), got {type(imgs).__name__}")
+        if not any(images):
+            return list(prompts), [None] * len(prompts)
+        if self.visual is None:
+            raise ValueError(_text_only_message(self.cfg))
+        from qwen35.image_processor import preprocess
+
+        vc = self.cfg.vision
+        flat = [img for imgs in images if imgs for img in imgs]
+        processed = preprocess(flat, self.image_processor)
+        embeds = self.visual(processed.pixel_values.to(self.device), processed.grid_thw)
+        pieces = split_by_image(embeds, processed.grid_thw, vc.spatial_merge_size)
+        grids = processed.grid_thw.tolist()
+        out_ids, infos, k = [], [], 0
+        for prompt, imgs in zip(prompts, images, strict=True):
+            if not imgs:
+                out_ids.append(prompt)
+                infos.append(None)
+                continue
+            n = len(imgs)
+            counts = processed.num_tokens[k:k + n]
+            ids = expand_image_placeholders(prompt, counts, vc.image_token_id)
+            rows = np.flatnonzero(ids == vc.image_token_id)
+            offsets = list(itertools.accumulate(counts[:-1], initial=0))
+            positions, delta = mrope_positions(ids, grids[k:k + n], vc.spatial_merge_size, vc.image_token_id,
+                                               image_offsets=[int(rows[o]) for o in offsets])
+            infos.append(_SlotImages(positions=positions.numpy().astype(np.int32), delta=delta, rows=rows,
+                                     embeds=torch.cat(pieces[k:k + n])))
+            out_ids.append(ids)
+            k += n
+        return out_ids, infos
+
     # ---------------------------------------------------------------- one step
 
-    def _layout(self, slots: list[int], tokens: list, all_logits: bool) -> tuple[torch.Tensor, _Batch, torch.Tensor]:
+    def _layout(self, slots: list[int], tokens: list, all_logits: bool) -> tuple[torch.Tensor, Batch, torch.Tensor]:
         """(token ids ``[T]``, the step's layout, the rows of the hidden states whose logits :meth:`step` returns).
 
         Everything the device needs, the GDN chunk table included, is computed on the host in one int32 buffer
-        and sent with one pinned, asynchronous copy: on the lent H200's virtualised host each transfer cost
-        ~0.15-0.2 ms of host time with the device idle at the start of a prefill (it used to take three).
+        and sent with one pinned, asynchronous copy: on a virtualised host each transfer costs ~0.15-0.2 ms of
+        host time with the device idle at the start of a prefill (tuning/notes_model.md).
         Every check on the request runs here, before anything is launched. Work over the tokens is numpy's;
         Python loops run over sequences.
         """
@@ -286,7 +240,7 @@ class Qwen35Standalone:
             raise ValueError(f"{len(slots)} slots but {len(tokens)} token lists")
         if len(set(slots)) != len(slots):
             raise ValueError(f"slots repeat in one step: {slots}")
-        tokens = [_token_row(t, s) for t, s in zip(tokens, slots, strict=True)]
+        tokens = [token_row(t, s) for t, s in zip(tokens, slots, strict=True)]
         lens_in = [len(t) for t in tokens]
         for s, n in zip(slots, lens_in, strict=True):
             if not 0 <= s < self.host.max_seqs or s in self.free:
@@ -307,9 +261,15 @@ class Qwen35Standalone:
         T = starts[-1]
         prefill_cu = [r - starts[nd] for r in starts[nd:]]
         table = ops.gdn_chunk_table(prefill_cu, self.device) if N > nd else None
+        images = [self._images.get(s) for s in seq_slots]
+        # (sequence in step order, its first and last + 1 image row falling into this step's tokens)
+        image_spans = [(j, *(int(k) for k in np.searchsorted(info.rows, [ctxs[j], ctxs[j] + lens[j]])))
+                       for j, info in enumerate(images) if info is not None]
+        num_image_rows = sum(k1 - k0 for _, k0, k1 in image_spans)
         buf = self._step_buffer
         buf.layout(dict(ids=T, positions=T, slots=T, rows=T if all_logits else N, seq_slots=N, cu=N - nd + 1,
-                        decode_lens=nd, has_init=N - nd, chunks=0 if table is None else table.size))
+                        decode_lens=nd, has_init=N - nd, chunks=0 if table is None else table.size,
+                        mrope=3 * T if image_spans else 0, image_rows=num_image_rows))
         ids, tok_slots, tok_pos = buf.part("ids"), buf.part("slots"), buf.part("positions")
         for j, i in enumerate(order):
             lo, hi = starts[j], starts[j + 1]
@@ -322,6 +282,8 @@ class Qwen35Standalone:
         if T and not 0 <= int(ids.min()) <= int(ids.max()) < self.cfg.vocab_size:
             bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
             raise ValueError(f"token id {bad} is outside the vocabulary [0, {self.cfg.vocab_size})")
+        if image_spans:
+            self._image_layout(buf, ids, tok_pos, images, image_spans, starts, ctxs, seq_slots)
         first_row = [0] * N  # first row of each sequence, in input order
         for j, i in enumerate(order):
             first_row[i] = starts[j]
@@ -347,9 +309,44 @@ class Qwen35Standalone:
         if prefills:  # no device read-back: the host's offsets (and its table, when the backend takes one)
             gdn["prefill_metadata"] = ops.prepare_gdn_metadata(
                 cu, offsets=prefill_cu, table=None if table is None else d["chunks"].view(table.shape))
-        batch = _Batch(num_decodes=nd, decode_slots=seq_slots_d[:nd], decode_lens=d["decode_lens"] if nd else None,
+        batch = Batch(num_decodes=nd, decode_slots=seq_slots_d[:nd], decode_lens=d["decode_lens"] if nd else None,
                        prefills=prefills, token_slots=d["slots"], token_positions=d["positions"], gdn=gdn)
+        if image_spans:
+            batch.rope_positions = d["mrope"].view(3, T)
+            if num_image_rows:
+                batch.image_rows = d["image_rows"]
+                batch.image_embeds = torch.cat([images[j].embeds[k0:k1] for j, k0, k1 in image_spans])
         return d["ids"], batch, d["rows"]
+
+    def _image_layout(self, buf: StepBuffer, ids: np.ndarray, tok_pos: np.ndarray, images: list,
+                      image_spans: list[tuple[int, int, int]], starts: list[int], ctxs: list[int],
+                      seq_slots: list[int]) -> None:
+        """Fill the step's ``[3, T]`` positions and image rows (a step in which a sequence holds images): text
+        sequences repeat their index on the three rows; a sequence with images takes its prompt's positions,
+        then ``index + delta`` past the prompt. ValueError when a token at an image row is not the image
+        token (the slot was fed other tokens than :meth:`attach_images` returned)."""
+        T = len(ids)
+        pos = buf.part("mrope").reshape(3, T)
+        for j, info in enumerate(images):
+            lo, hi, ctx = starts[j], starts[j + 1], ctxs[j]
+            if info is None:
+                pos[:, lo:hi] = tok_pos[lo:hi]
+                continue
+            known = min(hi - lo, max(0, info.positions.shape[1] - ctx))  # tokens of the prompt
+            pos[:, lo:lo + known] = info.positions[:, ctx:ctx + known]
+            pos[:, lo + known:hi] = tok_pos[lo + known:hi] + info.delta
+        out, at = buf.part("image_rows"), 0
+        image_token = self.cfg.vision.image_token_id
+        for j, k0, k1 in image_spans:
+            rows = images[j].rows[k0:k1] - ctxs[j] + starts[j]
+            wrong = np.flatnonzero(ids[rows] != image_token)
+            if len(wrong):
+                r = int(rows[wrong[0]])
+                raise ValueError(f"sequence in slot {seq_slots[j]}: token {r - starts[j] + ctxs[j]} is {int(ids[r])}; "
+                                 f"its image was attached there, so it must be the image token {image_token} (feed "
+                                 "the ids attach_images returned)")
+            out[at:at + len(rows)] = rows
+            at += len(rows)
 
     @torch.no_grad()
     def step(self, slots: list[int], tokens: list[list[int]] | list[np.ndarray] | list[torch.Tensor], *,
@@ -359,12 +356,17 @@ class Qwen35Standalone:
 
         ``all_logits=False``: ``[N, vocab]``, the last new token of each sequence (input order).
         ``all_logits=True``: ``[sum of new tokens, vocab]`` in input order.
+        A slot given images by :meth:`attach_images` takes the ids it returned, in any chunks: the image rows
+        and multi-axis positions of each chunk come from the slot.
         """
         ids, batch, rows = self._layout(slots, tokens, all_logits)
         self.host.batch = batch
         try:
             with ops.host_built_inputs():  # this host built the slots and offsets: no value checks on the GPU
-                hidden = self.model(ids, batch.token_positions)
+                embeds = None if batch.image_rows is None else self.model.embed(ids, batch.image_rows,
+                                                                                batch.image_embeds)
+                positions = batch.token_positions if batch.rope_positions is None else batch.rope_positions
+                hidden = self.model(ids, positions, inputs_embeds=embeds)
         finally:
             self.host.batch = None
         for s, toks in zip(slots, tokens, strict=True):
@@ -379,20 +381,31 @@ class Qwen35Standalone:
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = False) -> list[list[int]]:
-        """Generate up to ``max_new_tokens`` per prompt; greedy when ``temperature == 0``."""
+                 top_p: float = 1.0, seed: int | None = None, stop_at_eos: bool = False,
+                 images: Sequence[Sequence[ImageSource] | None] | None = None) -> list[list[int]]:
+        """Generate up to ``max_new_tokens`` per prompt; greedy when ``temperature == 0``.
+
+        ``images``: per prompt, a list of images (or None), one image placeholder token in the prompt for each
+        (see the module docstring). ValueError when the checkpoint has no vision tower or the placeholders do not
+        match; :class:`qwen35.image_processor.ImageInputError` for an image that cannot be used.
+        """
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise ValueError(f"temperature={temperature} (>= 0), top_p={top_p} (in (0, 1]), top_k={top_k} (>= 0)")
+        self._check_free(len(prompts))  # before any image goes through the tower
+        feed, infos = self._prepare_images(prompts, images)
         gen = torch.Generator(device=self.device)
         if seed is not None:
             gen.manual_seed(seed)
         slots = self.allocate(len(prompts))
+        for s, info in zip(slots, infos, strict=True):
+            if info is not None:
+                self._images[s] = info
         out: list[list[int]] = [[] for _ in prompts]
         try:
             live = list(range(len(prompts)))
-            logits = self.step(slots, prompts)
+            logits = self.step(slots, feed)
             for _ in range(max_new_tokens):
                 nxt = sample(logits, temperature, top_k, top_p, gen).tolist()
                 still = []
@@ -430,8 +443,12 @@ class DecodeGraph:
         self.ids = torch.zeros(B, dtype=torch.long, device=dev)
         self.positions = torch.tensor([owner.lengths[s] for s in slots], device=dev)
         self.lens = torch.zeros(B, dtype=torch.int32, device=dev)
+        # rotary position = token index + the slot's delta (non-zero after a prompt with images)
+        self._deltas = self._slot_deltas()
+        self.deltas = torch.tensor(self._deltas, dtype=torch.long, device=dev)
+        self.rope_positions = torch.zeros(B, dtype=torch.long, device=dev)
         slot_ids = torch.tensor(slots, dtype=torch.int32, device=dev)
-        self.batch = _Batch(
+        self.batch = Batch(
             num_decodes=B, decode_slots=slot_ids, decode_lens=self.lens, prefills=[], token_slots=slot_ids.long(),
             token_positions=self.positions,
             gdn=dict(num_decodes=B, decode_slots=slot_ids, num_prefill_tokens=0, prefill_cu_seqlens=None,
@@ -454,13 +471,18 @@ class DecodeGraph:
         finally:
             self._restore_states(saved)  # warm-up and capture ran real steps on these slots
 
+    def _slot_deltas(self) -> list[int]:
+        images = self.owner._images
+        return [images[s].delta if s in images else 0 for s in self.slots]
+
     @torch.no_grad()
     def _forward(self) -> torch.Tensor:
         self.lens.copy_(self.positions + 1)
+        torch.add(self.positions, self.deltas, out=self.rope_positions)
         self.owner.host.batch = self.batch
         try:
             with ops.host_built_inputs():
-                hidden = self.owner.model(self.ids, self.positions)
+                hidden = self.owner.model(self.ids, self.rope_positions)
         finally:
             self.owner.host.batch = None
         return self.owner.model.logits(hidden).float()
@@ -486,10 +508,39 @@ class DecodeGraph:
                 raise ValueError(f"sequence in slot {s} would exceed max_len={owner.host.max_len}")
         self.ids.copy_(torch.as_tensor(tokens, device=owner.device))
         self.positions.copy_(torch.tensor([owner.lengths[s] for s in self.slots], device=owner.device))
+        deltas = self._slot_deltas()
+        if deltas != self._deltas:  # slots given new prompts since the last step
+            self.deltas.copy_(torch.tensor(deltas, device=owner.device))
+            self._deltas = deltas
         self.graph.replay()
         for s in self.slots:
             owner.lengths[s] += 1
         return self.logits
+
+
+def _text_only_message(cfg: Qwen35Config) -> str:
+    """Why a checkpoint without a vision tower refuses images."""
+    if not cfg.nested_text:
+        return (f"this {cfg.architecture} checkpoint is text-only (no vision tower): images need a "
+                "*ForConditionalGeneration checkpoint with a vision_config")
+    return (f"this {cfg.architecture} checkpoint has no vision tower (its config.json has no vision_config): it takes "
+            "text only, so images cannot be given")
+
+
+def _image_processor_for(cfg: Qwen35Config, given: ImageProcessorConfig | None) -> ImageProcessorConfig:
+    """The processor settings (``given``, else the defaults at the tower's patch sizes); ValueError unless its
+    patch, temporal-patch and merge sizes are the tower's."""
+    from qwen35.image_processor import ImageProcessorConfig
+
+    v = cfg.vision
+    tower = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
+    if given is None:
+        return ImageProcessorConfig(patch_size=tower[0], temporal_patch_size=tower[1], merge_size=tower[2])
+    mine = (given.patch_size, given.temporal_patch_size, given.merge_size)
+    if mine != tower:
+        raise ValueError(f"image processor (patch_size, temporal_patch_size, merge_size)={mine} differs from the "
+                         f"vision tower's {tower} (preprocessor_config.json vs config.json's vision_config)")
+    return given
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -2,8 +2,9 @@
 
 For tests and benchmarks: ``config.json`` plus safetensors shards with HF's tensor names, the
 ``*ForCausalLM`` layout (``model.*``) or the ``*ForConditionalGeneration`` layout
-(``model.language_model.*`` plus a few ``model.visual.*`` / ``mtp.*`` tensors that a text-only
-loader must skip); MoE experts fused (transformers 5) or per expert (hub checkpoints). No
+(``model.language_model.*``, a whole one-block vision tower under ``model.visual.*``, an
+``mtp.*`` tensor every loader skips, and a ``preprocessor_config.json`` whose pixel bounds keep
+images at 4 to 16 tokens); MoE experts fused (transformers 5) or per expert (hub checkpoints). No
 tokenizer: drive the model with token ids. Sizes respect what vLLM's CPU build needs
 (attention head_dim 64, GDN K == V).
 
@@ -27,6 +28,10 @@ TINY_TEXT = dict(
 )
 TINY_DENSE = dict(intermediate_size=256)
 TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+TINY_VISION = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=16, spatial_merge_size=2,
+                   temporal_patch_size=2, in_channels=3, num_position_embeddings=64)
+# one merged token covers 32 x 32 pixels: images resize to between 64 x 64 (4 tokens) and 128 x 128 (16 tokens)
+TINY_PIXELS = dict(min_pixels=64 * 64, max_pixels=128 * 128)
 
 
 @dataclass
@@ -64,13 +69,22 @@ def config_json(spec: TinySpec) -> dict:
     text = text_config(spec)
     if not spec.conditional:
         return {"architectures": [spec.architecture], **text}
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=text["hidden_size"],
-                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, in_channels=3,
-                  num_position_embeddings=64, model_type="qwen3_5_moe_vision" if spec.moe else "qwen3_5_vision")
+    vision = dict(TINY_VISION, out_hidden_size=text["hidden_size"],
+                  model_type="qwen3_5_moe_vision" if spec.moe else "qwen3_5_vision")
     return {"architectures": [spec.architecture], "model_type": "qwen3_5_moe" if spec.moe else "qwen3_5",
             "text_config": text, "vision_config": vision, "tie_word_embeddings": False,
             "image_token_id": 1000, "video_token_id": 1001, "vision_start_token_id": 1002,
             "vision_end_token_id": 1003, "dtype": text["dtype"]}
+
+
+def preprocessor_json(spec: TinySpec) -> dict:
+    """``preprocessor_config.json`` of a ConditionalGeneration checkpoint (HF's Qwen2-VL processor fields)."""
+    v = TINY_VISION
+    return {"image_processor_type": "Qwen2VLImageProcessor", "patch_size": v["patch_size"],
+            "temporal_patch_size": v["temporal_patch_size"], "merge_size": v["spatial_merge_size"],
+            "size": {"shortest_edge": TINY_PIXELS["min_pixels"], "longest_edge": TINY_PIXELS["max_pixels"]},
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_resize": True, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "do_convert_rgb": True, "resample": 3}
 
 
 def text_tensors(spec: TinySpec) -> dict[str, torch.Tensor]:
@@ -139,9 +153,13 @@ def checkpoint_tensors(spec: TinySpec) -> dict[str, torch.Tensor]:
     """All tensors under their on-disk names for the spec's layout."""
     prefix = "model.language_model." if spec.conditional else "model."
     tensors = {(k if k == "lm_head.weight" else prefix + k): v for k, v in text_tensors(spec).items()}
-    if spec.conditional:  # a token vision tower and MTP head: present in real checkpoints, skipped by us
+    if spec.conditional:  # the vision tower, and an MTP tensor as real checkpoints hold (skipped by us)
+        from qwen35.vision import VisionConfig
+        from qwen35.vision_checkpoint import random_vision_tensors
+
+        cfg = VisionConfig.from_dict(config_json(spec))
+        tensors.update(random_vision_tensors(cfg, seed=spec.seed + 1, dtype=spec.dtype))
         g = torch.Generator().manual_seed(spec.seed + 1)
-        tensors["model.visual.patch_embed.proj.weight"] = torch.randn(64, 3, 2, 16, 16, generator=g).to(spec.dtype)
         tensors["mtp.fc.weight"] = torch.randn(8, 8, generator=g).to(spec.dtype)
     return tensors
 
@@ -156,6 +174,9 @@ def write_checkpoint(path: str | os.PathLike, spec: TinySpec | None = None,
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_json(spec), f, indent=1)
+    if spec.conditional:
+        with open(os.path.join(path, "preprocessor_config.json"), "w") as f:
+            json.dump(preprocessor_json(spec), f, indent=1)
     names = sorted(tensors)
     n = max(1, min(spec.shards, len(names)))
     groups = [names[i::n] for i in range(n)]

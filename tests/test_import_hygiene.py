@@ -13,7 +13,8 @@ FORBIDDEN = ("vllm", "fastapi", "starlette", "uvicorn", "pydantic", "transformer
 def test_facade_and_kernels_import_only_torch_triton_numpy():
     code = (
         "import sys, json\n"
-        "import qwen35, qwen35.ops, qwen35.probe, qwen35.reference, qwen35.selftest\n"
+        "import qwen35, qwen35.ops, qwen35.probe, qwen35.reference, qwen35.selftest, qwen35.optable\n"
+        "import qwen35.validate, qwen35.cases, qwen35.knobs, qwen35.backends\n"
         "import kernels_triton, kernels_cuda, kernels_cuda.sm70, kernels_cuda.ixformer\n"
         "print(json.dumps(sorted({m.split('.')[0] for m in sys.modules})))\n"
     )

@@ -131,3 +131,37 @@ def test_direct_launcher_by_name_call_form(faked, monkeypatch):
     monkeypatch.setattr(_launch, "ENABLED", False)
     launcher[(4, 2)](buf, 5, BLOCK=16, num_warps=4)
     assert len(jit_calls) == 3 and launcher.hits == 2
+
+
+def test_launch_args_name_every_parameter_and_patch_by_name():
+    """A launch's named tuple has the kernel's parameters in order (the tail from a parameter on: what one plan
+    fixes); ``replaced`` patches fields by name as ``_replace`` does, and a name the kernel lacks is an error."""
+    Args, Consts = _launch.launch_args("Toy", JITFunction(_toy_kernel), "BLOCK")
+    assert Args._fields == ("x_ptr", "y_ptr", "n", "stride", "scale", "BLOCK", "FLAG")
+    assert Consts._fields == ("BLOCK", "FLAG")
+    args = tuple.__new__(Args, (1, 2, 3, 4, 0.5, *Consts(BLOCK=32, FLAG=True)))
+    got = _launch.replaced(args, n=7, FLAG=False)
+    assert type(got) is Args and got == args._replace(n=7, FLAG=False) == (1, 2, 7, 4, 0.5, 32, False)
+    with pytest.raises(KeyError, match="nope"):
+        _launch.replaced(args, nope=1)
+
+
+def test_direct_launch_switch_and_the_bench_api(faked, monkeypatch):
+    """``set_enabled`` turns the direct path off and on (returning what was set); the bench API's ``jit_launches``
+    restores the setting after its block, and ``launches_stubbed`` reports every launch instead of running it."""
+    from kernels_triton import bench_api
+
+    launcher, jit_calls, _, _ = faked(_named_kernel)
+    buf = torch.zeros(64)
+    assert _launch.set_enabled(False) is True and _launch.ENABLED is False
+    assert _launch.set_enabled(True) is False
+    with bench_api.jit_launches():
+        assert _launch.ENABLED is False
+    assert _launch.ENABLED is True
+    seen = []
+    with bench_api.launches_stubbed(seen.append):
+        launcher[(1,)](buf, 5, BLOCK=16, num_warps=4)
+        launcher((2,), (buf, 5, 16, True), {"num_warps": 4})
+    assert seen == ["direct", "direct"] and jit_calls == []
+    launcher[(1,)](buf, 5, BLOCK=16, num_warps=4)  # stubs gone: the first call of the specialisation compiles
+    assert len(jit_calls) == 1

@@ -116,7 +116,9 @@ def test_decode_rejects(over, msg):
 
 def test_decode_accepts_spec_tokens_and_padding():
     o = _step(Tn=8)
-    assert o.shape == (2, 8, HV, V)
+    assert o.shape == (2, 8, HV, V) and torch.isfinite(o).all()
+    assert torch.equal(o[1], torch.zeros_like(o[1])), "the padding row's output is zero"
+    assert o[0].abs().sum() > 0
 
 
 CONV_D, CONV_W = 6, 4
@@ -202,11 +204,25 @@ def test_moe_experts_and_route_reject():
 
 def test_value_checks_can_be_disabled(monkeypatch):
     """QWEN35_CHECK_VALUES=0 skips the checks that read values (what graph capture needs); shape checks stay."""
+    from qwen35 import optable
+
+    check = optable.get("gdn_chunk_prefill").validate
+    unordered = _gdn(cu_seqlens=torch.tensor([0, 6, 4, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        check(**unordered)
     monkeypatch.setenv("QWEN35_CHECK_VALUES", "0")
+    assert check(**unordered) is None  # the values are not read
     with pytest.raises(ValueError, match="q must have 3 dims"):
         _call_prefill(_gdn(q=torch.randn(T, H * K)))
     o, _ = _call_prefill(_gdn())  # valid input still runs
-    assert o.shape == (T, HV, V)
+    assert o.shape == (T, HV, V) and torch.isfinite(o).all()
+
+
+def test_value_check_switch_rejects_other_values(monkeypatch):
+    monkeypatch.setenv("QWEN35_CHECK_VALUES", "no")
+    with pytest.raises(ValueError, match=r"QWEN35_CHECK_VALUES='no' is not accepted; use one of 0, 1"):
+        ops.causal_conv1d_update(torch.randn(2, 8), torch.randn(8, 4), conv_pool=torch.zeros(4, 8, 3),
+                                 conv_slots=torch.tensor([1, 0], dtype=torch.int32))
 
 
 def test_host_built_inputs_keeps_cpu_value_checks(monkeypatch):

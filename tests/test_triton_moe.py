@@ -10,9 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import torch
 
@@ -32,7 +29,11 @@ from qwen35 import ops  # noqa: E402
 from qwen35 import reference as ref  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOL = {torch.float32: 2e-3, torch.float16: 4e-3}  # fp32 loose enough for tf32 dots on a GPU
+# Relative error budgets of expert outputs per (device, dtype). CPU (the interpreter, numpy fp32 dots): fp32 blocks
+# measured within 2.4e-6 of the fp64 reference, fp16 ones within 4.3e-4 (their own rounding); GPU: the budgets the
+# GPU suite runs these cases with.
+TOL = {"cpu": {torch.float32: 1e-5, torch.float16: 2e-3},
+       "cuda": {torch.float32: 2e-3, torch.float16: 4e-3}}[DEVICE]
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN in never-stored padding rows
 
 
@@ -87,11 +88,10 @@ def test_route_ties_go_to_the_lowest_id():
 
 @pytest.mark.parametrize("E,k", [(6, 5), (64, 8), (40, 16)])
 @pytest.mark.parametrize("renormalize", [True, False])
-def test_route_one_row_tiles_bitonic_equals_max(E, k, renormalize, tmp_path):
+def test_route_one_row_tiles_equal_many_row_tiles(E, k, renormalize):
     """Tiles of one row (up to 64 tokens) pick by one bitonic top-k (``tl.topk``), tiles of several rows by TOP_K max
-    reductions (routing.TOPK_BITONIC). The same one-row tiles with the reductions (``QWEN35_MOE_TOPK=max``, read at
-    import: a second process) give the same ids and weight bits, ties included; many-row tiles the same ids and the
-    weights to rounding (their sums run in another order)."""
+    reductions: the same ids, ties included (-0.0 and 0.0 tie as well), and the weights to rounding (their sums run
+    in another order); both the reference's ids."""
     from kernels_triton.moe import routing
 
     gen = torch.Generator().manual_seed(E * k)
@@ -103,33 +103,15 @@ def test_route_one_row_tiles_bitonic_equals_max(E, k, renormalize, tmp_path):
     assert routing.route_launch_params(few.shape[0], E, k)["ROWS"] == 1
     assert routing.route_launch_params(1024, E, k)["ROWS"] > 1
     w_one, id_one = routing.route(few, k, renormalize)
-    torch.save(few.cpu(), tmp_path / "few.pt")
-    script = ("import sys, torch\nfrom kernels_triton.moe import routing\n"
-              f"w, i = routing.route(torch.load(sys.argv[1]).to('{DEVICE}'), {k}, {renormalize})\n"
-              "torch.save((w.cpu(), i.cpu()), sys.argv[2])\n")
-    env = dict(os.environ, **{routing.TOPK_ENV: "max"})
-    subprocess.run([sys.executable, "-c", script, str(tmp_path / "few.pt"), str(tmp_path / "max.pt")], env=env,
-                   check=True, cwd=Path(__file__).resolve().parents[1], timeout=300)
-    w_max, id_max = torch.load(tmp_path / "max.pt")
-    assert torch.equal(id_one.cpu(), id_max)
-    assert torch.equal(w_one.cpu().view(torch.int32), w_max.view(torch.int32))
     w_many, id_many = routing.route(logits, k, renormalize)
     rows = torch.cat([torch.arange(5), torch.arange(1000, 1010)]).to(DEVICE)
     assert torch.equal(id_one, id_many[rows])
     assert_close(w_one, w_many[rows], 1e-6, "one-row vs many-row tile weights")
     rw, rid = ref.moe_route(logits.cpu(), k, renormalize)
     assert torch.equal(id_many.cpu(), rid)
-
-
-def test_topk_env_choice(monkeypatch):
-    from kernels_triton.moe import routing
-
-    for value, want in (("", True), ("bitonic", True), ("max", False)):
-        monkeypatch.setenv(routing.TOPK_ENV, value)
-        assert routing._env_topk() is want
-    monkeypatch.setenv(routing.TOPK_ENV, "heap")
-    with pytest.raises(ValueError, match="QWEN35_MOE_TOPK='heap'"):
-        routing._env_topk()
+    rw_few, rid_few = ref.moe_route(few.cpu(), k, renormalize)
+    assert torch.equal(id_one.cpu(), rid_few)
+    assert_close(w_one, rw_few, 1e-6, "one-row tile weights vs reference")
 
 
 # ----------------------------------------------------------------------------- alignment
@@ -440,7 +422,7 @@ def test_block_with_expert_map(M):
     kw["router_weight"] = _rnd(gen, 8, 64, dtype=torch.float16)  # 8 global experts, 3 held here
     emap = torch.tensor([-1, 0, -1, -1, 1, -1, 2, -1], dtype=torch.int32, device=DEVICE)
     out = tmoe.moe_block(**kw, top_k=3, expert_map=emap)
-    assert_close(out, _ref_block(kw, 3, expert_map=emap.cpu()), 4e-3, "moe_block with expert_map")
+    assert_close(out, _ref_block(kw, 3, expert_map=emap.cpu()), TOL[torch.float16], "moe_block with expert_map")
 
 
 @pytest.mark.parametrize("multi_chunk", [False, True])
@@ -453,7 +435,7 @@ def test_block_is_deterministic(multi_chunk, monkeypatch):
     kw = _block_inputs(gen, 33, torch.float16)
     first = tmoe.moe_block(**kw, top_k=2)
     assert torch.equal(first, tmoe.moe_block(**kw, top_k=2)), "two runs differ"
-    assert_close(first, _ref_block(kw, 2), 4e-3, "moe_block")
+    assert_close(first, _ref_block(kw, 2), TOL[torch.float16], "moe_block")
 
 
 # ----------------------------------------------------------------------------- one token (kernels_triton.moe.decode)
@@ -640,7 +622,7 @@ def test_facade_selects_and_self_tests_triton(fresh_probe, monkeypatch):
     kw = _block_inputs(gen, 5, torch.float32)
     out = ops.moe_block(**kw, top_k=2)
     assert torch.equal(out, tmoe.moe_block(**kw, top_k=2))
-    assert rel_err(out, _ref_block(kw, 2)) < 2e-3
+    assert rel_err(out, _ref_block(kw, 2)) < TOL[torch.float32]
 
 
 # ----------------------------------------------------------------------------- the GPU build, without a GPU

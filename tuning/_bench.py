@@ -27,8 +27,8 @@ def time_ms(fn: Callable[[], object], *, warmup: int = 5, rep: int = 30, idle_s:
 
     ``idle_s``: the GPU idles that long before each timed call (not counted), as before a request that reaches
     an idle server. Calls of tens of ms issued back to back hold an H200 at its power cap (SM clock ~1815
-    instead of 1980 MHz, throttle reason SW power cap; tuning/notes_model.md, session 5), which a single call
-    from an idle GPU does not meet.
+    instead of 1980 MHz, throttle reason SW power cap; tuning/notes_model.md), which a single call from an idle GPU
+    does not meet.
     """
     for _ in range(warmup):
         fn()
@@ -81,7 +81,7 @@ def host_us_per_call(fn: Callable[[], object], calls: int = 200, rounds: int = 5
 
     The median over ``rounds`` rounds of ``calls`` calls each (the GPU drained between rounds): a pause of the
     (virtualised) host of a few ms inside a round moves that round's mean by tens of µs, and no longer the figure
-    (session 11's record gave 60 µs at 397B-TP8 where the same code took 29-41 µs on other calls)."""
+    (one mean of 60 µs was seen where the same code took 29-41 µs in other rounds)."""
     for _ in range(5):
         fn()
     torch.cuda.synchronize()

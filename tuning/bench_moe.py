@@ -26,8 +26,6 @@ and keeps per token bucket the BLOCK_M whose gate_up + down sum is least.
 from __future__ import annotations
 
 import argparse
-import functools
-import itertools
 import json
 import math
 import sys
@@ -87,10 +85,10 @@ def torch_pipeline(x, router_weight, w13, w2, top_k):  # noqa: ANN001, ANN201
 
 
 def ours(x, router_weight, w13, w2, top_k, shared=None):  # noqa: ANN001, ANN201
-    from kernels_triton import moe
+    import kernels_triton as kt
 
     kw = {} if shared is None else dict(shared_w13=shared[0], shared_w2=shared[1], shared_gate_weight=shared[2])
-    return moe.moe_block(x, router_weight, w13, w2, top_k, **kw)
+    return kt.moe_block(x, router_weight, w13, w2, top_k, **kw)
 
 
 def _time(fn, M: int) -> tuple[float, str]:  # noqa: ANN001
@@ -115,13 +113,10 @@ def _gpu_ms(fn, M: int) -> float:  # noqa: ANN001
 
 def _host_us_binder(fn) -> float:  # noqa: ANN001
     """``host_us`` with every launch through ``JITFunction.run`` (DirectLauncher off): what the direct path saves."""
-    from kernels_triton import _launch
+    from kernels_triton.bench_api import jit_launches
 
-    _launch.ENABLED = False
-    try:
+    with jit_launches():
         return _bench.host_us_per_call(fn, calls=50)
-    finally:
-        _launch.ENABLED = True
 
 
 def _weights(E: int, H: int, I: int, dtype=torch.bfloat16, seed: int = 0) -> dict:  # noqa: ANN001
@@ -141,10 +136,10 @@ def _x(M: int, H: int, seed: int = 1) -> torch.Tensor:
 
 
 def _routing(x, w, top_k):  # noqa: ANN001, ANN202
-    from kernels_triton.moe import routing
+    from kernels_triton.moe import bench_api as moe
 
-    logits, n_splits = routing.router_logits(x, w["router_weight"], None)
-    return routing.route(logits, top_k, True, n_splits=n_splits)
+    logits, n_splits = moe.router_logits(x, w["router_weight"], None)
+    return moe.route(logits, top_k, True, n_splits=n_splits)
 
 
 def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
@@ -155,295 +150,47 @@ def _stage_ms(x, w, top_k, with_shared: bool = False) -> dict:  # noqa: ANN001
     (the combine fused, ``combine`` 0).
     ``with_shared``: the fused shared expert (its gate as one more router column, one more group).
     """
-    from kernels_triton.moe import align, config, decode, experts, routing
+    from kernels_triton.moe import bench_api as moe
 
     M, H = x.shape
     E, I = w["w13"].shape[0], w["w2"].shape[2]
     sw13, sw2, gate = w["shared"] if with_shared else (None, None, None)
     slots = top_k + int(with_shared)
-    if M == 1 and decode.enabled():  # one token: the decode path's launches (kernels_triton/moe/decode.py)
-        cfg = decode.decode_config(H, I)
+    if M == 1 and moe.decode_path_enabled():  # one token: the decode path's launches (kernels_triton/moe/decode.py)
+        cfg = moe.decode_config(H, I)
 
         def route():  # noqa: ANN202
-            return decode.route_one(x, w["router_weight"], top_k, True, n_local=E, expert_map=None, gate_weight=gate,
+            return moe.route_one(x, w["router_weight"], top_k, True, n_local=E, expert_map=None, gate_weight=gate,
                                     shared=with_shared)
 
         groups, weights = route()
-        h = decode.gate_up_one(x, w["w13"], sw13, groups, cfg)
+        h = moe.gate_up_one(x, w["w13"], sw13, groups, cfg)
         stages = {
             "router_gemm": route,  # the router GEMV whose last program routes
-            "gate_up": lambda: decode.gate_up_one(x, w["w13"], sw13, groups, cfg),
-            "down": lambda: decode.down_one(h, w["w2"], sw2, groups, weights, cfg),
+            "gate_up": lambda: moe.gate_up_one(x, w["w13"], sw13, groups, cfg),
+            "down": lambda: moe.down_one(h, w["w2"], sw2, groups, weights, cfg),
         }
         ms = {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()}
         return {"router_gemm": ms["router_gemm"], "route_align": 0.0, "gate_up": ms["gate_up"], "down": ms["down"],
                 "combine": 0.0}
-    logits, n_splits = routing.router_logits(x, w["router_weight"], gate)
-    up_cfg, down_cfg = config.configs(M, top_k, E, H, I, x.dtype, x.device)
+    logits, n_splits = moe.router_logits(x, w["router_weight"], gate)
+    up_cfg, down_cfg = moe.configs(M, top_k, E, H, I, x.dtype, x.device)
 
     def route_align():  # noqa: ANN202
-        return align.route_and_align(logits, n_splits, top_k, True, n_experts=E, n_local=E, block_m=up_cfg.BLOCK_M,
+        return moe.route_and_align(logits, n_splits, top_k, True, n_experts=E, n_local=E, block_m=up_cfg.BLOCK_M,
                                      expert_map=None, gate=with_shared, shared=with_shared)
 
     weights, _, al = route_align()
-    h = experts.gate_up(x, w["w13"], sw13, al, slots, up_cfg)
-    y = experts.down(h, w["w2"], sw2, al, weights, down_cfg)
+    h = moe.gate_up(x, w["w13"], sw13, al, slots, up_cfg)
+    y = moe.down(h, w["w2"], sw2, al, weights, down_cfg)
     stages = {
-        "router_gemm": lambda: routing.router_logits(x, w["router_weight"], gate),
+        "router_gemm": lambda: moe.router_logits(x, w["router_weight"], gate),
         "route_align": route_align,
-        "gate_up": lambda: experts.gate_up(x, w["w13"], sw13, al, slots, up_cfg),
-        "down": lambda: experts.down(h, w["w2"], sw2, al, weights, down_cfg),
-        "combine": lambda: experts.combine(y, al, M, slots),
+        "gate_up": lambda: moe.gate_up(x, w["w13"], sw13, al, slots, up_cfg),
+        "down": lambda: moe.down(h, w["w2"], sw2, al, weights, down_cfg),
+        "combine": lambda: moe.combine(y, al, M, slots),
     }
     return {name: round(_gpu_ms(fn, M), 5) for name, fn in stages.items()}
-
-
-def _record(rows: list[dict], r: dict, out: Path, stem: str) -> None:
-    """One sweep row: kept, printed, and the sweep's JSON rewritten (a killed run keeps what it measured)."""
-    rows.append(r)
-    print(r, flush=True)
-    _bench.write_results(out, f"{stem}_{_config_slug()}", rows)
-
-
-def down_flat_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
-    """The down GEMM alone (graph replay) with 1, 2, 4, ... column tiles per program (``TILES_N``, a flat loop
-    over (tile, K step)): the tiles' K loops are short (I = 128..1024), so per-tile fill and index loads count."""
-    from kernels_triton.moe import config, experts
-
-    rows = []
-    for name in shapes:
-        E, k, H, I = SHAPES[name]
-        w = _weights(E, H, I)
-        for M in ms:
-            x = _x(M, H)
-            up_cfg, down_cfg = config.configs(M, k, E, H, I, x.dtype, x.device)
-            weights, _, al = _route_align_for(x, w, k, up_cfg.BLOCK_M)
-            h = experts.gate_up(x, w["w13"], None, al, k, up_cfg)
-            n_tiles = -(-H // down_cfg.BLOCK_N)
-            want = experts.down(h, w["w2"], None, al, weights, down_cfg, tiles_n=1)
-            for tiles_n in sorted({1, 2, 4, 8, 16, n_tiles} & set(range(1, n_tiles + 1))):
-                call = functools.partial(experts.down, h, w["w2"], None, al, weights, down_cfg, tiles_n=tiles_n)
-                try:
-                    same = bool(torch.equal(call(), want))
-                    ms_ = _gpu_ms(call, M)
-                    r = dict(sweep="down_tiles_n", shape=f"{name} M={M}", config=down_cfg.as_dict(), tiles_n=tiles_n,
-                             us=round(ms_ * 1e3, 1), TFLOPs=round(2 * M * k * H * I / ms_ / 1e9, 1), same_bits=same)
-                except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record and go on
-                    r = dict(sweep="down_tiles_n", shape=f"{name} M={M}", tiles_n=tiles_n,
-                             error=f"{type(e).__name__}: {str(e)[:200]}")
-                _record(rows, r, out, "moe_down_flat")
-        torch.cuda.empty_cache()
-    return rows
-
-
-def env_sweep(out: Path, shapes: list[str], ms: list[int], env: str, stem: str, sweep: str) -> list[dict]:
-    """The whole block (router to combine; without and with the shared expert; graph replay) with the switch ``env``
-    set to 0 and to 1, alternating (best of two rounds each): ``us_off`` / ``us_on`` repeat one batch, ``rot_off`` /
-    ``rot_on`` cycle through 8 batches routed to different experts (their weights not left in L2, as between a
-    model's layers); and whether the two give the same bits."""
-    import os
-
-    rows = []
-    for name in shapes:
-        E, k, H, I = SHAPES[name]
-        w = _weights(E, H, I)
-        for M, shared in itertools.product(ms, (False, True)):
-            xs = [_x(M, H, seed=1 + s) for s in range(8)]
-            calls = [functools.partial(ours, x, w["router_weight"], w["w13"], w["w2"], k,
-                                       w["shared"] if shared else None) for x in xs]
-            got, us, rot = {}, {False: [], True: []}, {False: [], True: []}
-            try:
-                for _ in range(2):
-                    for on in (False, True):
-                        os.environ[env] = "1" if on else "0"
-                        got[on] = calls[0]()
-                        us[on].append(_bench.time_graph_ms(calls[0]) * 1e3)
-                        rot[on].append(_rotating_graph_us(calls))
-                r = dict(sweep=sweep, shape=f"{name} M={M}", shared=shared, us_off=round(min(us[False]), 2),
-                         us_on=round(min(us[True]), 2), rot_off=round(min(rot[False]), 2),
-                         rot_on=round(min(rot[True]), 2), same_bits=bool(torch.equal(got[True], got[False])))
-            except Exception as e:  # noqa: BLE001 - record and go on
-                r = dict(sweep=sweep, shape=f"{name} M={M}", shared=shared, error=f"{type(e).__name__}: {str(e)[:300]}")
-            finally:
-                os.environ.pop(env, None)
-            _record(rows, r, out, stem)
-        del w
-        torch.cuda.empty_cache()
-    return rows
-
-
-def pdl_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
-    """:func:`env_sweep` of programmatic dependent launch (``QWEN35_MOE_PDL``, kernels_triton/moe/pdl.py)."""
-    from kernels_triton.moe import pdl
-
-    return env_sweep(out, shapes, ms, pdl.ENV, "moe_pdl", "pdl")
-
-
-def block_wait_sweep(out: Path, shapes: list[str], ms: list[int], tag: str = "") -> list[dict]:
-    """:func:`env_sweep` of the down launch waiting block by block (``QWEN35_MOE_BLOCK_WAIT``, with PDL as by
-    default) rather than for the whole gate_up launch."""
-    from kernels_triton.moe import experts
-
-    return env_sweep(out, shapes, ms, experts.BLOCK_WAIT_ENV, f"moe_block_wait{'_' + tag if tag else ''}",
-                     "block_wait")
-
-
-def _rotating_graph_us(calls: list) -> float:
-    """µs per call of a CUDA graph cycling through ``calls`` (tokens routed to different experts: their weights
-    are not left in L2 by the call before, as between a model's layers)."""
-    return _bench.time_graph_ms(lambda: [c() for c in calls], calls_per_graph=4) * 1e3 / len(calls)
-
-
-def decode_sweep(out: Path, shapes: list[str], rounds: int = 3) -> list[dict]:
-    """One token: the general pipeline (``QWEN35_MOE_DECODE=0``, PDL as by default) against the decode path
-    (kernels_triton/moe/decode.py; also with PDL), without and with the shared expert, graph replay, alternating
-    for ``rounds`` rounds (best kept): ``us`` repeats one token (its experts' weights partly stay in L2 between
-    calls), ``us_rot`` cycles through 8 tokens routed to different experts."""
-    import os
-
-    from kernels_triton.moe import decode, pdl
-
-    rows = []
-    for name in shapes:
-        E, k, H, I = SHAPES[name]
-        w = _weights(E, H, I)
-        xs = [_x(1, H, seed=s) for s in range(8)]
-        for shared in (False, True):
-            sw = w["shared"] if shared else (None, None, None)
-
-            def general(x, w=w, sw=sw, k=k):  # noqa: ANN001, ANN202
-                os.environ[decode.ENV] = "0"
-                try:
-                    return ours(x, w["router_weight"], w["w13"], w["w2"], k, sw if sw[0] is not None else None)
-                finally:
-                    os.environ.pop(decode.ENV, None)
-
-            def one(x, use_pdl, w=w, sw=sw, k=k):  # noqa: ANN001, ANN202
-                return decode.moe_block_one_token(x, w["router_weight"], w["w13"], w["w2"], k, True, *sw, None,
-                                                  pdl=use_pdl and pdl.enabled(x))
-
-            variants = {"general": general, "decode": functools.partial(one, use_pdl=False),
-                        "decode_pdl": functools.partial(one, use_pdl=True)}
-            best: dict = {v: {"us": math.inf, "us_rot": math.inf} for v in variants}
-            ref_out = general(xs[0])
-            rel = {v: _rel(fn(xs[0]), ref_out) for v, fn in variants.items()}
-            for _ in range(rounds):
-                for v, fn in variants.items():
-                    calls = [functools.partial(fn, x) for x in xs]
-                    best[v]["us"] = min(best[v]["us"], _bench.time_graph_ms(calls[0]) * 1e3)
-                    best[v]["us_rot"] = min(best[v]["us_rot"], _rotating_graph_us(calls))
-            for v in variants:
-                r = dict(sweep="decode", shape=f"{name} M=1", shared=shared, variant=v, us=round(best[v]["us"], 2),
-                         us_rot=round(best[v]["us_rot"], 2), rel_vs_general=round(rel[v], 6))
-                _record(rows, r, out, "moe_decode")
-        del w
-        torch.cuda.empty_cache()
-    return rows
-
-
-def _sweep_points(shapes: list[str], ms: list[int]):  # noqa: ANN202
-    """(name, (E, k, H, I), weights, M, x, router partials, n_splits) for every shape and token count of a GEMM sweep,
-    the router run with the shared expert's gate as in the model; the device cache is emptied between shapes."""
-    from kernels_triton.moe import routing
-
-    for name in shapes:
-        E, k, H, I = SHAPES[name]
-        w = _weights(E, H, I)
-        for M in ms:
-            x = _x(M, H)
-            logits, n_splits = routing.router_logits(x, w["router_weight"], w["shared"][2])
-            yield name, (E, k, H, I), w, M, x, logits, n_splits
-        del w
-        torch.cuda.empty_cache()
-
-
-def tma_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
-    """gate_up and down alone (graph replay, shared expert fused as in the model) with their weight tiles loaded by
-    pointers (as before) and through tensor descriptors (TMA, ``experts.gate_up(tma=True)``), at the configured tile
-    and with one stage more; rel = the TMA output against the pointer path's."""
-    from kernels_triton.moe import align, config, experts
-
-    rows = []
-    for name, (E, k, H, I), w, M, x, logits, n_splits in _sweep_points(shapes, ms):
-        sw13, sw2, _ = w["shared"]
-        up_cfg, down_cfg = config.configs(M, k, E, H, I, x.dtype, x.device)
-        weights, _, al = align.route_and_align(logits, n_splits, k, True, n_experts=E, n_local=E,
-                                               block_m=up_cfg.BLOCK_M, expert_map=None, gate=True, shared=True)
-        starts, counts = al.group_start.tolist(), al.group_count.tolist()
-        written = torch.cat([torch.arange(a, a + c) for a, c in zip(starts, counts, strict=True)]).to(x.device)
-        h = experts.gate_up(x, w["w13"], sw13, al, k + 1, up_cfg, tma=False)
-        y = experts.down(h, w["w2"], sw2, al, weights, down_cfg, tma=False)
-        flops = 2 * M * (k + 1) * H * I
-        for which, base, fn, want in (
-                ("gate_up", up_cfg, functools.partial(experts.gate_up, x, w["w13"], sw13, al, k + 1), h),
-                ("down", down_cfg, functools.partial(experts.down, h, w["w2"], sw2, al, weights), y)):
-            for stages in (base.num_stages, base.num_stages + 1):
-                cfg = config.GemmConfig(base.BLOCK_M, base.BLOCK_N, base.BLOCK_K, base.num_warps, stages)
-                for tma in (False, True) if stages == base.num_stages else (True,):
-                    call = functools.partial(fn, cfg, tma=tma)
-                    try:
-                        got = call()
-                        same = got[written] if which == "gate_up" else got
-                        ref = want[written] if which == "gate_up" else want
-                        ms_ = _gpu_ms(call, M)
-                        r = dict(sweep="tma", which=which, shape=f"{name} M={M}", config=cfg.as_dict(), tma=tma,
-                                 us=round(ms_ * 1e3, 1),
-                                 TFLOPs=round((2 if which == "gate_up" else 1) * flops / ms_ / 1e9, 1),
-                                 rel_vs_pointer=round(_rel(same, ref), 6))
-                    except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: record and go on
-                        r = dict(sweep="tma", which=which, shape=f"{name} M={M}", config=cfg.as_dict(), tma=tma,
-                                 error=f"{type(e).__name__}: {str(e)[:200]}")
-                    _record(rows, r, out, "moe_tma")
-    return rows
-
-
-SUB_SWEEP_CONFIGS = {  # (gate_up, down) as (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): the tuned 35B 4096 / 16384 ones
-    64: ((64, 256, 64, 8, 3), (64, 128, 64, 4, 4)),
-    128: ((128, 128, 64, 8, 4), (128, 256, 64, 8, 4)),
-}
-
-
-def sub_tiles_sweep(out: Path, shapes: list[str], ms: list[int]) -> list[dict]:
-    """gate_up and down (graph replay, shared expert fused as in the model) with and without the shorter tiles for
-    a group's short last block (``experts.sub_levels``), at 64- and 128-row blocks; with the padding they face."""
-    from kernels_triton.moe import align, config, experts
-
-    rows = []
-    for name, (E, k, _, _), w, M, x, logits, n_splits in _sweep_points(shapes, ms):
-        sw13, sw2, _ = w["shared"]
-        for bm, (up_t, down_t) in SUB_SWEEP_CONFIGS.items():
-            up_cfg, down_cfg = config.GemmConfig(*up_t), config.GemmConfig(*down_t)
-            weights, _, al = align.route_and_align(logits, n_splits, k, True, n_experts=E, n_local=E, block_m=bm,
-                                                   expert_map=None, gate=True, shared=True)
-            blocks = int(al.total_blocks.item())
-            full = (al.group_count.long() // bm).sum().item()
-            h = experts.gate_up(x, w["w13"], sw13, al, k + 1, up_cfg, sub=0)
-            want = experts.down(h, w["w2"], sw2, al, weights, down_cfg, sub=0)
-            for sub in sorted({0, experts.sub_levels(bm)}):
-                up = functools.partial(experts.gate_up, x, w["w13"], sw13, al, k + 1, up_cfg, sub=sub)
-                dn = functools.partial(experts.down, h, w["w2"], sw2, al, weights, down_cfg, sub=sub)
-                try:
-                    got = experts.down(up(), w["w2"], sw2, al, weights, down_cfg, sub=sub)
-                    up_ms, down_ms = _gpu_ms(up, M), _gpu_ms(dn, M)
-                    r = dict(sweep="sub_tiles", shape=f"{name} M={M}", block_m=bm, sub=sub, gate_up_us=round(
-                        up_ms * 1e3, 1), down_us=round(down_ms * 1e3, 1), both_us=round((up_ms + down_ms) * 1e3, 1),
-                        blocks=blocks, full_blocks=full, real_rows=M * (k + 1),
-                        padded_pct=round(100 * (1 - M * (k + 1) / (blocks * bm)), 1),
-                        rel_vs_sub0=round(_rel(got, want), 6))
-                except Exception as e:  # noqa: BLE001 - record and go on
-                    r = dict(sweep="sub_tiles", shape=f"{name} M={M}", block_m=bm, sub=sub,
-                             error=f"{type(e).__name__}: {str(e)[:200]}")
-                _record(rows, r, out, "moe_sub_tiles")
-    return rows
-
-
-def _route_align_for(x, w, top_k, block_m):  # noqa: ANN001, ANN202
-    from kernels_triton.moe import align, routing
-
-    E = w["w13"].shape[0]
-    logits, n_splits = routing.router_logits(x, w["router_weight"], None)
-    return align.route_and_align(logits, n_splits, top_k, True, n_experts=E, n_local=E, block_m=block_m,
-                                 expert_map=None, gate=False, shared=False)
 
 
 # ----------------------------------------------------------------------------- benchmark
@@ -536,7 +283,7 @@ def run_benchmark(out: Path, shapes: list[str], ms: list[int],
 
 
 def _candidates(which: str, block_m: int, N: int, K: int, heuristic) -> list:  # noqa: ANN001
-    from kernels_triton.moe.config import GemmConfig
+    from kernels_triton.moe.bench_api import GemmConfig
 
     table = (SMALL_UP if which == "gate_up" else SMALL_DOWN) if block_m <= 32 else (
         LARGE_UP if which == "gate_up" else LARGE_DOWN)
@@ -567,26 +314,26 @@ def _fastest(fn_of_cfg, cands: list, M: int, which: str, tried: list) -> list:  
 
 def tune_point(name: str, M: int, w: dict) -> dict:
     """Best (gate_up, down) configs at M for one shape, with the heuristic's time for comparison."""
-    from kernels_triton.moe import align, config, experts
-    from kernels_triton.moe.config import GemmConfig
+    from kernels_triton.moe import bench_api as moe
+    from kernels_triton.moe.bench_api import GemmConfig
 
     E, k, H, I = SHAPES[name]
     x = _x(M, H, seed=7)
     weights, ids = _routing(x, w, k)
-    h_bm = config.block_m_for(M, k, E)
+    h_bm = moe.block_m_for(M, k, E)
     order = [16, 32, 64, 128]
     i = order.index(h_bm)
     block_ms = [h_bm] if M <= 16 else order[max(0, i - 1):i + 2]
-    heur = {"gate_up": config.heuristic("gate_up", M, k, E, 2 * I, H), "down": config.heuristic("down", M, k, E, H, I)}
+    heur = {"gate_up": moe.heuristic("gate_up", M, k, E, 2 * I, H), "down": moe.heuristic("down", M, k, E, H, I)}
     best, tried, heuristic_ms = None, [], None
     for bm in block_ms:
-        al = align.align(ids, n_local=E, block_m=bm)
-        up = _fastest(lambda cfg, al=al: experts.gate_up(x, w["w13"], None, al, k, cfg),
+        al = moe.align(ids, n_local=E, block_m=bm)
+        up = _fastest(lambda cfg, al=al: moe.gate_up(x, w["w13"], None, al, k, cfg),
                       _candidates("gate_up", bm, 2 * I, H, heur["gate_up"]), M, "gate_up", tried)
         if not up:
             continue
-        h = experts.gate_up(x, w["w13"], None, al, k, up[0][1])
-        down = _fastest(lambda cfg, al=al, h=h: experts.down(h, w["w2"], None, al, weights, cfg),
+        h = moe.gate_up(x, w["w13"], None, al, k, up[0][1])
+        down = _fastest(lambda cfg, al=al, h=h: moe.down(h, w["w2"], None, al, weights, cfg),
                         _candidates("down", bm, H, I, heur["down"]), M, "down", tried)
         if not down:
             continue
@@ -607,16 +354,16 @@ def tune_point(name: str, M: int, w: dict) -> dict:
 
 
 def run_tuning(out: Path, shapes: list[str], ms: list[int], budget_s: float, merge: bool = False) -> list[dict]:
-    from kernels_triton import _config
-    from kernels_triton.moe import config
+    from kernels_triton.bench_api import shipped_config_dir
+    from kernels_triton.moe import bench_api as moe
 
     t_start = time.time()
-    slug = _config.device_slug(_bench.device_name())
+    slug = _config_slug()
     docs = {op: {"device": _bench.device_name(), "op": op, "triton": _triton_version(), "entries": {}}
-            for op in (config.GATE_UP_OP, config.DOWN_OP)}
-    if merge:  # start from the committed files: points not tuned now keep their entries
+            for op in (moe.GATE_UP_OP, moe.DOWN_OP)}
+    if merge:  # start from the shipped files: points not tuned now keep their entries
         for op, doc in docs.items():
-            path = Path(__file__).resolve().parent / "configs" / slug / f"{op}.json"
+            path = shipped_config_dir() / slug / f"{op}.json"
             if path.is_file():
                 doc["entries"] = json.loads(path.read_text()).get("entries", {})
     points = []
@@ -641,9 +388,9 @@ def run_tuning(out: Path, shapes: list[str], ms: list[int], budget_s: float, mer
             continue
         results.append(r)
         for dtype in ("bfloat16", "float16"):  # fp16 runs the same tensor-core rates: same tiles
-            for op, key, cfg in ((config.GATE_UP_OP, f"E={E},N={2 * I},K={H},dtype={dtype}", r["gate_up"]),
-                                 (config.DOWN_OP, f"E={E},N={H},K={I},dtype={dtype}", r["down"])):
-                docs[op]["entries"].setdefault(key, {})[str(M)] = dict(cfg, M=M)  # M: see config._near
+            for op, key, cfg in ((moe.GATE_UP_OP, f"E={E},N={2 * I},K={H},dtype={dtype}", r["gate_up"]),
+                                 (moe.DOWN_OP, f"E={E},N={H},K={I},dtype={dtype}", r["down"])):
+                docs[op]["entries"].setdefault(key, {})[str(M)] = dict(cfg, M=M)  # M: an entry serves M/4..4M
         print(f"  tuned {name} M={M}: {r['best_ms']} ms (heuristic {r['heuristic_ms']}) up {r['gate_up']} "
               f"down {r['down']} ({time.time() - t0:.1f}s)", flush=True)
         _write_tuning(out, slug, docs, results)  # after every point: a killed run keeps what it found
@@ -661,9 +408,9 @@ def _write_tuning(out: Path, slug: str, docs: dict, results: list[dict]) -> None
 
 
 def _config_slug() -> str:
-    from kernels_triton import _config
+    from kernels_triton.bench_api import device_slug
 
-    return _config.device_slug(_bench.device_name())
+    return device_slug(_bench.device_name())
 
 
 def _triton_version() -> str | None:
@@ -681,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, M in {QUICK_MS}")
     ap.add_argument("--tune", action="store_true", help="sweep GEMM configs instead of benchmarking")
     ap.add_argument("--tune-budget-s", type=float, default=150.0, help="stop tuning after this many seconds")
-    ap.add_argument("--merge", action="store_true", help="with --tune: keep the committed entries not re-tuned")
+    ap.add_argument("--merge", action="store_true", help="with --tune: keep the shipped entries not re-tuned")
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
     ap.add_argument("--down-flat", action="store_true", help="sweep the down GEMM's column tiles per program")
@@ -690,8 +437,6 @@ def main(argv: list[str] | None = None) -> int:
                     "last blocks, at 64- and 128-row blocks")
     ap.add_argument("--pdl", action="store_true", help="the whole block with and without programmatic dependent "
                     "launch (QWEN35_MOE_PDL)")
-    ap.add_argument("--block-wait", action="store_true", help="the whole block with the down launch waiting block "
-                    "by block and for the whole gate_up launch (QWEN35_MOE_BLOCK_WAIT)")
     ap.add_argument("--decode", action="store_true", help="one token: the general pipeline against the decode path")
     ap.add_argument("--shared-breakdown-max-m", type=int, default=SHARED_BREAKDOWN_MAX_M,
                     help="also time each stage with the shared expert up to this many tokens")
@@ -702,23 +447,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     shapes = args.shapes.split(",") if args.shapes else list(QUICK_SHAPES if args.quick else SHAPES)
     out = Path(args.out)
-    if args.down_flat:
-        down_flat_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1024, 4096, 16384])
-        return 0
-    if args.tma:
-        tma_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1, 16, 1024, 4096, 8192, 16384])
-        return 0
-    if args.pdl:
-        pdl_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [1, 4, 16, 64, 256])
-        return 0
-    if args.block_wait:
-        block_wait_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [2, 4, 16, 32], args.tag)
-        return 0
+    sweeps = {"down_flat": [1024, 4096, 16384], "tma": [1, 16, 1024, 4096, 8192, 16384], "pdl": [1, 4, 16, 64, 256],
+              "sub_tiles": [2048, 4096, 8192, 16384]}
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else None
+    for name, default_ms in sweeps.items():
+        if getattr(args, name):
+            from tuning import sweep_moe
+
+            getattr(sweep_moe, f"{name}_sweep")(out, shapes, ms or default_ms)
+            return 0
     if args.decode:
-        decode_sweep(out, shapes)
-        return 0
-    if args.sub_tiles:
-        sub_tiles_sweep(out, shapes, [int(m) for m in args.ms.split(",")] if args.ms else [2048, 4096, 8192, 16384])
+        from tuning import sweep_moe
+
+        sweep_moe.decode_sweep(out, shapes)
         return 0
     if args.tune:
         ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else TUNE_MS)

@@ -6,8 +6,8 @@
 
 Parts: ``probe`` (qwen35-probe --json), ``tests`` (pytest -m gpu), ``kernels`` (the Triton kernel test
 modules, which run on the GPU when there is one: the interpreter cases of CI, compiled for real), ``gdn``,
-``moe``, ``model`` (the benchmarks in tuning/bench_*.py). Each part runs in its own subprocess so one crash does
-not lose the others; a part whose module is absent is reported as skipped. Writes
+``moe``, ``model``, ``vision``, ``sm70`` (the benchmarks in tuning/bench_*.py). Each part runs in its own
+subprocess so one crash does not lose the others; a part whose module is absent is reported as skipped. Writes
 ``suite.json`` (status + wall time per part), ``suite.log`` (every part's output), ``probe.json``
 and each benchmark's own JSON; the status table is printed last.
 """
@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("probe", "tests", "kernels", "gdn", "moe", "model")
+PARTS = ("probe", "tests", "kernels", "gdn", "moe", "model", "vision", "sm70")
 
 
 # GPU-marked tests live here; other test modules may import CPU-only stacks (vLLM) at collection.

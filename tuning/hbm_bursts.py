@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._config import device_slug
+from kernels_triton.bench_api import device_slug
 from tuning import _bench
 
 SIZES_MB = (1, 2, 4, 8, 16, 32, 48, 64)

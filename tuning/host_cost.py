@@ -14,9 +14,9 @@ Triton wrappers' argument preparation, allocations, views. What is left out:
   45-50 us per JIT launch, see ``kernels_triton/_launch.py``);
 - SDPA (full-attention prefill) returns an empty tensor of its output's shape (its CPU math would dominate).
 
-Timed ranges are bench_model's profiler ranges (``install_ranges``: every façade op, projection, attention,
-MLP, layer and the step layout), each reported as self time (its children's ranges taken out), median of
-``--reps`` steps, microseconds of this thread's CPU time (other processes on a shared CPU do not count).
+Timed ranges are the profiler ranges of ``tuning/profile_model.py`` (``install_ranges``: every façade op,
+projection, attention, MLP, layer and the step layout), each reported as self time (its children's ranges taken
+out), median of ``--reps`` steps, microseconds of this thread's CPU time (other processes on a shared CPU do not count).
 Numbers come from this CPU: the H200 machine's host ran ~3.5x slower.
 Projection ranges are real CPU matmuls at a tiny width: they say nothing about the GPU host; the total
 without them is printed too.
@@ -35,7 +35,7 @@ from collections import defaultdict
 
 import torch
 
-from tuning import bench_model
+from tuning import bench_model, profile_model
 
 WIDTH = dict(bench_model.WIDTH, vocab_size=1024, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
              head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
@@ -56,7 +56,7 @@ class _Clock:
 
     @contextlib.contextmanager
     def record_function(self, name: str):
-        entry = [name[len(bench_model.RANGE):] if name.startswith(bench_model.RANGE) else name, 0.0, 0.0]
+        entry = [name[len(profile_model.RANGE):] if name.startswith(profile_model.RANGE) else name, 0.0, 0.0]
         self.stack.append(entry)
         entry[1] = _now()
         try:
@@ -76,16 +76,12 @@ class _Clock:
         self.launches.clear()
 
 
-def _stub_device_work(clock: _Clock) -> None:
-    """Kernel launches and SDPA become no-ops (launches counted); the probe runs every op on Triton."""
-    import triton
-
+@contextlib.contextmanager
+def _stub_device_work(clock: _Clock):
+    """Inside: kernel launches and SDPA are no-ops (launches counted); the probe runs every op on Triton."""
     import kernels_triton
-    from kernels_triton import _launch
+    from kernels_triton.bench_api import launches_stubbed
     from qwen35 import backends, probe, standalone
-
-    _launch.DirectLauncher.__call__ = lambda self, grid, args, options: clock.launch(0)
-    triton.runtime.jit.JITFunction.run = lambda self, *args, grid, warmup, **kw: clock.launch(1)
 
     def sdpa(q, k, v, **kw):
         return q.new_empty(*q.shape[:-1], v.shape[-1])
@@ -95,6 +91,8 @@ def _stub_device_work(clock: _Clock) -> None:
     for op in backends.OPS:
         fn = getattr(kernels_triton, op)
         probe._remember((op, key), probe.Choice(op, key, "triton", "tuning.host_cost: forced, launches stubbed"), fn)
+    with launches_stubbed(lambda kind: clock.launch(0 if kind == "direct" else 1)):
+        yield
 
 
 def _build(layers: int, max_seqs: int, max_len: int):
@@ -160,42 +158,42 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["QWEN35_CHECK_VALUES"] = "0"  # as bench_model on the GPU (there the host-built steps skip them too)
     clock = _Clock()
     torch.profiler.record_function = clock.record_function  # bench_model's ranges open through this name
-    _stub_device_work(clock)
-    decodes = [int(b) for b in args.decode.split(",") if b]
-    lengths = [int(t) for t in args.tokens.split(",") if t]
-    ours = _build(args.layers, max_seqs=max(decodes + [1]), max_len=max(lengths + [args.ctx + 8]))
-    bench_model.install_ranges(ours)
-    torch.set_num_threads(1)  # the host work is single-threaded; tiny ops on a shared box stall in thread pools
-    out = {}
-    for T in lengths:
-        prompt = torch.randint(0, WIDTH["vocab_size"], (T,), generator=torch.Generator().manual_seed(1)).tolist()
+    with _stub_device_work(clock):
+        decodes = [int(b) for b in args.decode.split(",") if b]
+        lengths = [int(t) for t in args.tokens.split(",") if t]
+        ours = _build(args.layers, max_seqs=max(decodes + [1]), max_len=max(lengths + [args.ctx + 8]))
+        profile_model.install_ranges(ours)
+        torch.set_num_threads(1)  # the host work is single-threaded; tiny ops on a shared box stall in thread pools
+        out = {}
+        for T in lengths:
+            prompt = torch.randint(0, WIDTH["vocab_size"], (T,), generator=torch.Generator().manual_seed(1)).tolist()
 
-        def prefill(prompt=prompt):
-            slots = ours.allocate(1)
-            try:
-                ours.step(slots, [prompt])
-            finally:
-                ours.release(slots)
+            def prefill(prompt=prompt):
+                slots = ours.allocate(1)
+                try:
+                    ours.step(slots, [prompt])
+                finally:
+                    ours.release(slots)
 
-        key = f"prefill 1x{T}"
-        out[key] = _measure(clock, prefill, args.reps)
-        _print(key, out[key])
-    for B in decodes:
-        slots = ours.allocate(B)
-        steps = [[1] for _ in range(B)]
+            key = f"prefill 1x{T}"
+            out[key] = _measure(clock, prefill, args.reps)
+            _print(key, out[key])
+        for B in decodes:
+            slots = ours.allocate(B)
+            steps = [[1] for _ in range(B)]
 
-        def decode(slots=slots, steps=steps):
-            for s in slots:
-                ours.lengths[s] = args.ctx
-            ours.step(slots, steps)
+            def decode(slots=slots, steps=steps):
+                for s in slots:
+                    ours.lengths[s] = args.ctx
+                ours.step(slots, steps)
 
-        key = f"decode eager B={B} ctx={args.ctx}"
-        out[key] = _measure(clock, decode, args.reps)
-        ours.release(slots)
-        _print(key, out[key])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(width=WIDTH, layers=args.layers, reps=args.reps, results=out), f, indent=1)
+            key = f"decode eager B={B} ctx={args.ctx}"
+            out[key] = _measure(clock, decode, args.reps)
+            ours.release(slots)
+            _print(key, out[key])
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(width=WIDTH, layers=args.layers, reps=args.reps, results=out), f, indent=1)
     return 0
 
 

@@ -1,14 +1,14 @@
 """Precision of two algebraic forms of the GDN scan's chunk step, with the GPU's bf16 roundings emulated on a CPU.
 
-Current form (``kernels_triton.gdn.chunk._scan_chunk``): ``V' = U - W bf16(S)``, ``S <- e^{g_C} S + K~^T bf16(V')``,
+Current form (``kernels_triton.gdn.scan._scan_chunk``): ``V' = U - W bf16(S)``, ``S <- e^{g_C} S + K~^T bf16(V')``,
 ``O = Q~ bf16(S) + Aqk bf16(V')`` (two dependent dots per chunk on the state's path). "M-form": per chunk
 ``M = K~^T W`` and ``KU = K~^T U`` (K x K and K x V, bf16), ``S <- e^{g_C} S + KU - M bf16(S)`` (one dependent
 dot), ``O = (Q~ - Aqk W) bf16(S) + Aqk U``. Math in fp64 on bf16-rounded operands, fp32 state and accumulators;
 relative error of the output and final state against plain fp64. Usage: ``python -m tuning.scan_precision``.
 
-The M-form was built as a scan option in session 7 and timed on the H200 in session 8: slower on every shape
-(397B-TP8 1x32768 0.96 -> 1.49 ms, all kernels; tuning/results/gdn_sweep_s8m_nvidia_h200.json), so the kernels
-no longer have it; this emulation stays as the record of its (better) precision.
+The M-form measured slower as a scan on the H200 on every shape (397B-TP8 1x32768 1.49 against 0.96 ms, all
+kernels; tuning/notes_gdn.md), so the kernels do not have it; this emulation keeps the record of its (better)
+precision.
 """
 
 from __future__ import annotations

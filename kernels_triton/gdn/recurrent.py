@@ -11,8 +11,8 @@ Padding rows (slot < 0) write zero output and leave the pool alone. No host sync
 no value-dependent allocation: the launch is CUDA-graph capturable.
 
 On sm_90+ the step launches with programmatic dependent launch (:mod:`kernels_triton._pdl`): its programs are
-scheduled while the launch before is finishing and wait for it before touching anything (at one token that
-start-up was 0.3-0.4 of 2.5-3.2 µs on the H200; ``QWEN35_GDN_PDL=0`` turns it off).
+scheduled while the launch before is finishing and wait for it before touching anything (``QWEN35_GDN_PDL=0``
+turns it off; measured: 0.3-0.4 µs less of 2.5-3.2 µs at one token on the H200, tuning/notes_gdn.md).
 """
 
 from __future__ import annotations
@@ -24,8 +24,11 @@ import triton
 import triton.language as tl
 
 from kernels_triton import _config, _pdl
-from kernels_triton._launch import DirectLauncher
-from kernels_triton.gdn.chunk import _cdiv, _gating, _pow2, check_head_dims, device_facts, gate_rows, grid_rows
+from kernels_triton._config import device_facts
+from kernels_triton._launch import DirectLauncher, launch_args
+from kernels_triton._util import cdiv, pow2
+from kernels_triton.gdn.common import check_head_dims, gate_rows, gating, grid_rows
+from qwen35 import knobs as qwen35_knobs
 
 
 @triton.jit(do_not_specialize=["H", "HV", "NH", "gate_stride"])
@@ -38,7 +41,7 @@ def _recurrent_step_kernel(
 ):
     _pdl.enter(PDL)  # launched with PDL: wait for the launch before (its q/k/v, slots, pool writes) first
     vb = tl.program_id(0)
-    nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (row, head) pairs: see chunk.grid_rows
+    nh = tl.program_id(1) + tl.program_id(2) * tl.num_programs(1)  # (row, head) pairs: see common.grid_rows
     if nh >= NH:
         return
     n = nh // HV
@@ -62,7 +65,7 @@ def _recurrent_step_kernel(
         S = tl.load(s_ptrs, mask=smask, other=0.0).to(tl.float32)
     for t in tl.static_range(T):
         row = row0 + t
-        g, beta = _gating(row, row >= 0, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, gate_stride,
+        g, beta = gating(row, row >= 0, hv, g_ptr, beta_ptr, a_ptr, b_ptr, A_log_ptr, dt_bias_ptr, gate_stride,
                           RAW_GATING)
         q = tl.load(q_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + (row * H + h) * K + kcols, mask=kmask, other=0.0).to(tl.float32)
@@ -85,30 +88,30 @@ def _recurrent_step_kernel(
 
 
 _launch_step = DirectLauncher(_recurrent_step_kernel)
+StepArgs, _ = launch_args("Step", _recurrent_step_kernel, "K")  # the launch's arguments by name
 
 
 @_config.derived
 @functools.lru_cache(maxsize=1024)
-def _step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
+def step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
     """V block and warps: a tuned file entry if present, else the heuristic below (cached per batch size).
 
-    From the H200 sweep (tuning/results/gdn_sweep_nvidia_h200.json), by (row, head) pairs:
-    >= 1024 pairs: 64-wide blocks, 4 warps (4.0-4.1 TB/s at B >= 128), with streaming cache hints on
-    the state (``STREAM``; tuning/results/gdn_sweep_d_nvidia_h200.json, B=128: 397B-TP8 38.6 -> 36.9 us,
-    27B-TP4 55.1 -> 53.1, 35B 138.9 -> 135.1; at B=1 they cost 0.05-0.2 us, so only here); a few hundred:
-    32-wide, 1 warp (TP8 B=32: 8.3 us vs 9.2 for 64/4); tens: 16-wide, 1 warp (B=1: 2.5-3.2 us).
+    By (row, head) pairs: >= 1024 pairs, 64-wide blocks and 4 warps with streaming cache hints on the state
+    (``STREAM``; they cost 0.05-0.2 µs at B=1, so only here); a few hundred, 32-wide and 1 warp; tens, 16-wide and
+    1 warp. Measured on the H200: 4.0-4.1 TB/s of state traffic at B >= 128, ``STREAM`` 36.9 against 38.6 µs at 397B-TP8
+    B=128, 32-wide 8.3 µs against 9.2 for 64-wide at TP8 B=32 (tuning/notes_gdn.md).
     """
     if device.type != "cuda":  # the interpreter: fewest programs is fastest
-        return {"BV": _pow2(V, 8), "num_warps": 4}
+        return {"BV": pow2(V, 8), "num_warps": 4}
     tuned = _config.lookup("gdn_recurrent_step", device_facts(device)[0], f"HV={HV},V={V}", tokens=B,
                            fields=("BV", "num_warps", "num_stages", "STREAM"))
     if tuned:
         return tuned
     pairs = B * HV
     if pairs >= 1024:
-        return {"BV": min(64, _pow2(V, 8)), "num_warps": 4, "STREAM": True}
+        return {"BV": min(64, pow2(V, 8)), "num_warps": 4, "STREAM": True}
     BV, warps = (32, 1) if pairs > 64 else (16, 1)
-    return {"BV": min(BV, _pow2(V, 8)), "num_warps": warps}
+    return {"BV": min(BV, pow2(V, 8)), "num_warps": warps}
 
 
 PDL_ENV = "QWEN35_GDN_PDL"
@@ -117,14 +120,13 @@ PDL_ENV = "QWEN35_GDN_PDL"
 def _use_pdl(device: torch.device, cfg: dict) -> bool:
     """Whether the step launches with programmatic dependent launch (:mod:`kernels_triton._pdl`): a config's
     ``PDL`` key, else ``QWEN35_GDN_PDL`` (``1`` / ``0``), else on. Only CUDA devices of sm_90+ can (elsewhere it is
-    off, whatever was asked). H200 through CUDA graphs (tuning/results/gdn_sweep_s9q_nvidia_h200.json): B=1
-    3.18 -> 2.92 µs (27B-TP1), 3.03 -> 2.63 (35B), 2.59 -> 2.16 (27B-TP4), 2.51 -> 2.10 (397B-TP8); B=8 0.2-0.6 µs
-    less; B >= 32 the same or slightly less (4.0 TB/s at B=512 either way)."""
+    off, whatever was asked). Measured on the H200 through CUDA graphs: 0.3-0.4 µs less at B=1, 0.2-0.6 at B=8, the
+    same or slightly less from B=32 on (tuning/notes_gdn.md)."""
     if not _pdl.supported(device):
         return False
     if "PDL" in cfg:
         return bool(cfg["PDL"])
-    forced = _pdl.env_choice(PDL_ENV)
+    forced = qwen35_knobs.on(PDL_ENV)
     return True if forced is None else forced
 
 
@@ -144,9 +146,19 @@ def gdn_recurrent_step(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     out: torch.Tensor | None = None,
-    step_config: dict | None = None,
 ) -> torch.Tensor:
     """Triton implementation of :func:`qwen35.ops.gdn_recurrent_step` (see the module docstring)."""
+    return step(q, k, v, state_pool, state_slots, g, beta, a, b, A_log, dt_bias, scale, use_qk_l2norm, out, None)
+
+
+def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state_pool: torch.Tensor, state_slots: torch.Tensor,
+         g: torch.Tensor | None, beta: torch.Tensor | None, a: torch.Tensor | None, b: torch.Tensor | None,
+         A_log: torch.Tensor | None, dt_bias: torch.Tensor | None, scale: float | None, use_qk_l2norm: bool,
+         out: torch.Tensor | None, config: dict | None) -> torch.Tensor:
+    """:func:`gdn_recurrent_step` with every argument in order; ``config``: keys forced over the heuristic's
+    (``BV``, ``num_warps``, ``num_stages``, ``STREAM``, ``PDL``; with ``BV`` it replaces the heuristic's config,
+    without, e.g. ``{"PDL": False}``, it keeps its blocks), for :mod:`kernels_triton.gdn.bench_api`; None for the
+    op's own."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     check_head_dims(K, V)
@@ -158,16 +170,22 @@ def gdn_recurrent_step(
     if B == 0:
         return o
     g, beta, a, b, gate_stride = gate_rows(g, beta, a, b)
-    cfg = _step_config(q.device, B, HV, V)
-    if step_config:  # a caller's keys over the heuristic's (a partial config, e.g. {"PDL": False}, is fine)
-        cfg = {**cfg, **step_config} if "BV" not in step_config else step_config
+    cfg = step_config(q.device, B, HV, V)
+    if config:
+        unknown = sorted(set(config) - set(STEP_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"step config keys {unknown}: accepted {', '.join(STEP_CONFIG_KEYS)}")
+        cfg = {**cfg, **config} if "BV" not in config else config
     BV = cfg["BV"]
     pdl = _use_pdl(q.device, cfg)
     _launch_step(
-        (_cdiv(V, BV), *grid_rows(B * HV)),
-        (q, k, v, g, beta, a, b, A_log, dt_bias, state_pool, state_slots, o,
-         K**-0.5 if scale is None else float(scale), state_pool.stride(0), T, H, HV, gate_stride, B * HV, K, V,
-         _pow2(K), BV,
-         a is not None, use_qk_l2norm, bool(cfg.get("STREAM", False)), pdl),
+        (cdiv(V, BV), *grid_rows(B * HV)),
+        tuple.__new__(StepArgs, (  # the values in StepArgs' order (its fields name them)
+            q, k, v, g, beta, a, b, A_log, dt_bias, state_pool, state_slots, o,
+            K**-0.5 if scale is None else float(scale), state_pool.stride(0), T, H, HV, gate_stride, B * HV, K, V,
+            pow2(K, 16), BV, a is not None, use_qk_l2norm, bool(cfg.get("STREAM", False)), pdl)),
         {**{key: val for key, val in cfg.items() if key not in ("BV", "STREAM", "PDL")}, **_pdl.options(pdl)})
     return o
+
+
+STEP_CONFIG_KEYS = ("BV", "num_warps", "num_stages", "STREAM", "PDL")

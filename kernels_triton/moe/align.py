@@ -43,9 +43,10 @@ import triton.language as tl
 
 from kernels_triton._arrival import arrival_counter, last_to_arrive
 from kernels_triton._kept import kept_views
-from kernels_triton._launch import DirectLauncher, aligned16, aligned_parts
+from kernels_triton._launch import DirectLauncher
+from kernels_triton._util import aligned16, aligned_parts, cdiv, pow2
 from kernels_triton.moe import pdl as _pdl
-from kernels_triton.moe.routing import _route_tile, cdiv, gate_logits, pow2, route_launch_params, route_warps
+from kernels_triton.moe.routing import gate_logits, route_launch_params, route_tile, route_warps
 
 SINGLE_CHUNK_MAX = 1024  # routed slots handled by one fused program
 ALIGN_LAST_MAX_SLOTS = 256  # up to this many routed slots moe_block routes spread over programs and the last of them
@@ -144,10 +145,9 @@ def _align_single(ids_ptr, map_ptr, slot_group_ptr, sorted_ptr, block_group_ptr,
     Sorted, the (group, slot) keys of each group form a contiguous run: a key's place in its run counted from the
     front and from the back gives the run's length (the group's count) and the slot's row in the group, and the
     runs' block counts summed in key order give each group's start. Nothing is sized by the groups but two stores
-    of zeros (a group without slots: start and count 0), where the earlier code ran a histogram and two scans over
-    all groups and read per-group bases back through memory. H200, the route + align launch at decode sizes, µs:
-    512 groups 5.80 -> 4.82 (2 tokens), 5.96 -> 5.27 (4), 7.03 -> 6.22 (16); 256 groups 4.13 -> 3.95 (4), equal at
-    16-32 tokens; same bits (tuning/results/moe_align_runs_s21_nvidia_h200.json)."""
+    of zeros (a group without slots: start and count 0): no histogram or scan over all groups (measured on the
+    H200, the route + align launch: 4.82 µs at 512 groups and 2 tokens against 5.80 with a histogram and two scans;
+    tuning/notes_moe.md)."""
     SLOTS: tl.constexpr = TOP_K + HAS_SHARED
     q = tl.arange(0, N_PAD)
     in_range = q < M * TOP_K
@@ -202,7 +202,7 @@ def _route_align_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, map_ptr, slo
     """Decode-sized batches: each program routes ROWS tokens, and the last to finish (:mod:`kernels_triton._arrival`)
     aligns every slot alone (one launch instead of route + count and scatter)."""
     _pdl.enter(PDL)
-    _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, tl.program_id(0) * ROWS + tl.arange(0, ROWS), M,
+    route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, tl.program_id(0) * ROWS + tl.arange(0, ROWS), M,
                 E_GLOBAL, E_GLOBAL, N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
     if last_to_arrive(count_ptr, tl.num_programs(0)):
         _align_single(ids_ptr, map_ptr, slot_group_ptr, sorted_ptr, block_group_ptr, group_start_ptr,
@@ -218,7 +218,7 @@ def _count_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, map_ptr, slot_grou
                   CHUNK_PAD: tl.constexpr, G_PAD: tl.constexpr):
     """One chunk of ROWS * TILES tokens: (route them,) group their routed slots, store the chunk's histogram.
 
-    With ROUTE the ids come from the logits (as :func:`_route_tile`); without, ``ids_ptr`` holds
+    With ROUTE the ids come from the logits (as :func:`route_tile`); without, ``ids_ptr`` holds
     them (``[M, TOP_K + HAS_SHARED]``). The histogram table is ``[chunks, E_LOCAL]``.
     """
     chunk = tl.program_id(0)
@@ -226,7 +226,7 @@ def _count_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, map_ptr, slot_grou
     first = chunk * (ROWS * TILES)
     if ROUTE:
         for t in range(TILES):
-            _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, first + t * ROWS + tl.arange(0, ROWS), M,
+            route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, first + t * ROWS + tl.arange(0, ROWS), M,
                         E_GLOBAL, E_GLOBAL, N_SPLITS, TOP_K, K_PAD, E_PAD, RENORMALIZE, HAS_GATE, HAS_SHARED)
         tl.debug_barrier()  # the ids just stored are read back by other threads of this program
     q = tl.arange(0, CHUNK_PAD)
@@ -294,10 +294,6 @@ _launch_count = DirectLauncher(_count_kernel)
 _launch_scatter = DirectLauncher(_scatter_kernel)
 
 
-def _pow2(n: int, lo: int = 16) -> int:
-    return pow2(n, lo)
-
-
 def max_blocks_for(n: int, n_groups: int, block_m: int) -> int:
     """Upper bound on sum_g ceil(count_g / block_m) over any routing of n slots: the launch size."""
     return max(1, min(n, cdiv(n, block_m) + n_groups))
@@ -349,13 +345,13 @@ def _align_chunks(al: Alignment, M: int, top_k: int, shared: bool, *, route: dic
     rows = _chunk_rows(top_k, route)
     tiles, n_chunks = chunking(M, top_k, rows, MAX_CHUNKS, CHUNK_SLOTS_MAX)
     chunk_tokens = rows * tiles
-    chunk_pad, g_pad = _pow2(chunk_tokens * top_k), _pow2(n_local)
+    chunk_pad, g_pad = pow2(chunk_tokens * top_k, 16), pow2(n_local, 16)
     if counts is None:
         both = torch.empty(2, aligned16(n_chunks * n_local), dtype=torch.int32, device=ids.device)
         counts = both[0], both[1]
     routed = route is not None
     if not routed:
-        route = dict(N_SPLITS=1, TOP_K=top_k, K_PAD=_pow2(top_k, 2), E_PAD=16, ROWS=rows, RENORMALIZE=False,
+        route = dict(N_SPLITS=1, TOP_K=top_k, K_PAD=pow2(top_k, 2), E_PAD=16, ROWS=rows, RENORMALIZE=False,
                      HAS_GATE=False, HAS_SHARED=shared)
         logits = weights = ids
     _launch_count[(n_chunks,)](
@@ -384,7 +380,7 @@ def align(ids: torch.Tensor, *, n_local: int, block_m: int, expert_map: torch.Te
         _launch_align_single[(1,)](
             ids, expert_map if expert_map is not None else ids, al.slot_group, al.sorted_slots, al.block_group,
             al.group_start, al.group_count, al.total_blocks, M, e_global, n_local, TOP_K=top_k,
-            HAS_MAP=expert_map is not None, HAS_SHARED=bool(shared), N_PAD=_pow2(M * top_k), G_PAD=_pow2(n_local),
+            HAS_MAP=expert_map is not None, HAS_SHARED=bool(shared), N_PAD=pow2(M * top_k, 16), G_PAD=pow2(n_local, 16),
             BLOCK_M=block_m, num_warps=4)
         return al
     _align_chunks(al, M, top_k, bool(shared), route=None, logits=None, gate=None, weights=None, ids=ids,
@@ -492,6 +488,6 @@ def route_and_align(logits: torch.Tensor, n_splits: int, top_k: int, renormalize
     _launch_route_align[(cdiv(M, route["ROWS"]),)](
         logits, gate_part, weights, ids, expert_map if expert_map is not None else ids, al.slot_group, al.sorted_slots,
         al.block_group, al.group_start, al.group_count, al.total_blocks, arrival_counter(dev), M,
-        n_experts, n_local, HAS_MAP=expert_map is not None, N_PAD=_pow2(M * top_k), G_PAD=_pow2(n_local),
+        n_experts, n_local, HAS_MAP=expert_map is not None, N_PAD=pow2(M * top_k, 16), G_PAD=pow2(n_local, 16),
         BLOCK_M=block_m, num_warps=max(4, route_warps(route)), PDL=pdl, **route, **_pdl.options(pdl))
     return weights, ids, al

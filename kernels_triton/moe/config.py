@@ -9,26 +9,22 @@ Alignment pads every expert's group of token-slots to a multiple of ``BLOCK_M``,
 must use one ``BLOCK_M``: the gate_up entry's value wins and the down entry's is overridden.
 
 Heuristic (no file or no entry; :mod:`kernels_triton._config` logs one INFO line per shape),
-read off the first H200 sweep (``tuning/notes_moe.md``):
+read off the H200 sweeps (``tuning/notes_moe.md``):
 
 - ``BLOCK_M`` follows the mean number of token-slots per expert, ``M*k/E``: 16 up to 12 (and
   always for ``M <= 16``, the decode path: each active expert is one block, its weights read
   once), 64 up to 32, else 128 (its short last blocks run shorter tiles, ``experts.sub_levels``;
-  with them 128-row blocks beat 64-row ones from ~40 slots per expert: H200, gate_up + down, 35B
-  M=2048 (64 per expert) 504 vs 523 µs, 397B-TP8 M=2048 (40) 527 vs 575 µs).
+  with them 128-row blocks beat 64-row ones from ~40 slots per expert; measured: gate_up + down at 35B M=2048
+  504 against 523 µs).
 - ``BLOCK_M = 16`` streams weights: gate_up ``BLOCK_N`` 64 x ``BLOCK_K`` 128, 4 stages, except at ``M <= 16``
   when that gives fewer than 64 programs (~``M * k * I / 64``): then 32 x 256 (more programs); down 128 x 256,
   2 stages, at ``M <= 16`` (where the down launch waits block by block, ``experts.block_wait_default``), else
-  128 x 64, 5 stages; 4 warps. H200, whole block by graph replay, 8 batches cycled, µs
-  (``moe_cfg_block_wait_b_s17_nvidia_h200.json``, against the tuned entries of the time): 35B-A3B M=2 40.8 -> 38.8,
-  M=16 161.5 -> 159.0; 397B-TP8 M=8 79.0 -> 72.3, M=16 134.0 -> 119.5; 397B-TP4 M=16 227.2 -> 215.5; 122B-A10B
-  within 2. The earlier heuristic (32 x 256 / 128 x 64 at these sizes) took 181.1 µs at 35B M=16 and 474.4 at 122B
-  M=16 (``moe_cfg_default_vs_old_s17_nvidia_h200.json``). The H200's tuned files carry these shapes as entries.
+  128 x 64, 5 stages; 4 warps (measured on the H200 by graph replay, whole block: 397B-TP8 M=16 119.5 µs, 35B-A3B
+  M=16 159.0; the H200's tuned files carry these shapes as entries).
 - ``BLOCK_M = 64``: 128 x 64 tiles, 4 warps, 4 stages, both GEMMs.
 - ``BLOCK_M = 128``: gate_up 128 x 64 (two accumulators), down 256 x 64, both 8 warps and 4
-  stages (the 35B sweep at 16384 tokens: 1.11 + 0.72 ms vs 1.23 + 0.76 with 3 stages; the
-  64-row tiles of the 4096 bucket took 1.15 + 0.89 ms there: they re-read A and B from L2 twice
-  as often).
+  stages (measured at 35B, 16384 tokens: 1.11 + 0.72 ms against 1.23 + 0.76 with 3 stages; 64-row tiles re-read A
+  and B from L2 twice as often).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and a combine. Here three:
 
 - **router + route**: the router's split-K GEMV tiles (as the general router), and the last of its programs to
   finish (:mod:`kernels_triton._arrival`) routes the token: softmax -> top-k -> renormalise from the partials
-  (:func:`kernels_triton.moe.routing._top_k_rows`: the same picks and weights as routing, ties to the lowest id),
+  (:func:`kernels_triton.moe.routing.top_k_rows`: the same picks and weights as routing, ties to the lowest id),
   each pick's local expert through the expert map (-1: held elsewhere), the shared expert as the last slot with
   weight ``sigmoid(gate logit)``. No alignment: each slot is its own group (top-k ids are distinct).
 - **gate_up** (grid ``slots x column tiles``): ``h_j = silu(x Wg_j^T) * (x Wu_j^T)`` for ``UP_N`` columns per
@@ -21,9 +21,8 @@ and a combine. Here three:
 
 Deterministic (fixed orders; the one atomic only elects the program that routes). The output differs from the
 general pipeline's in the last bits (the GEMV's summation order; no rounding of each slot's row to the activation
-dtype before the sum). Programmatic dependent launch on every launch only when ``QWEN35_MOE_PDL=1`` asks for it: on
-the H200 these launches were 1.5-7 µs slower with it (tuning/notes_moe.md, session 11; again in session 22: 1.0-4.1
-µs, and up to 0.6 slower with the gate_up launch released only at the router's end); the early down launch above is
+dtype before the sum). Programmatic dependent launch on every launch only when ``QWEN35_MOE_PDL=1`` asks for it
+(measured: these launches 1-7 µs slower with it on the H200, tuning/notes_moe.md); the early down launch above is
 the exception.
 """
 
@@ -38,26 +37,25 @@ import triton.language as tl
 
 from kernels_triton._arrival import arrival_counter, last_to_arrive
 from kernels_triton._kept import kept_views
-from kernels_triton._launch import DirectLauncher, aligned_parts
-from kernels_triton._pdl import env_choice as _env_choice
+from kernels_triton._launch import DirectLauncher
+from kernels_triton._util import aligned_parts, cdiv, pow2
 from kernels_triton.moe import pdl as _pdl
-from kernels_triton.moe.experts import _expert_weights
+from kernels_triton.moe.experts import expert_weights
 from kernels_triton.moe.routing import (
-    _router_tile,
-    _shared_weight,
-    _summed_logits,
-    _top_k_rows,
-    cdiv,
-    pow2,
     router_launch,
+    router_tile,
+    shared_weight,
+    summed_logits,
+    top_k_rows,
 )
+from qwen35 import knobs as qwen35_knobs
 
-ENV = "QWEN35_MOE_DECODE"  # "0": one token takes the general pipeline too (comparisons, a way around this path)
+ENV = "QWEN35_MOE_DECODE"  # "0": one token takes the general pipeline too (a way around this path)
 
 
 def enabled() -> bool:
     """Whether one token takes this path (``QWEN35_MOE_DECODE`` unset or ``1``; ``0`` turns it off)."""
-    return _env_choice(ENV) is not False
+    return qwen35_knobs.on(ENV) is not False
 
 
 @dataclass(frozen=True)
@@ -83,17 +81,15 @@ EARLY_TILE_MAX = 32768  # elements of one early down program's W2 tile (35B-A3B 
 
 @functools.lru_cache(maxsize=256)
 def decode_config(H: int, I: int, slots: int | None = None) -> DecodeConfig:
-    """From the H200 sweeps (tuning/results/moe_decode_s11_nvidia_h200.json, whole block, 35B-A3B and 397B-A17B-TP8):
-    gate_up one column (one gate row and one up row) per program in 512-wide steps with 2 warps -- thousands of
-    small programs, so every SM streams about the same number of rows (4 columns per program: 35B 30.3 µs against
-    28.4, TP8 38.9 against 27.7); down 8 columns per program in 64-wide steps over every slot at once, 8 warps.
-    Narrower where H or I is.
+    """The launch shape for hidden size H, expert width I and ``slots`` (routed + shared, when known).
 
-    Up to H = 2048 and I = 512 (35B-A3B), down loads its weights before the PDL wait (``DOWN_EARLY``, 4 columns
-    per program): 25.1 -> 22.8-23.3 µs at 35B-A3B, + shared expert 26.9 -> 25.0-25.7 (8 tokens cycled); a wash at
-    397B-A17B-TP8, 1-2 µs slower at TP4 and 4-8 at 122B-A10B (tuning/results/moe_decode_w2_s18_nvidia_h200.json and
-    the _w2_b_ / _up_ files). ``slots`` (routed + shared, when known): no early loads where one program's tile would
-    pass ``EARLY_TILE_MAX`` elements (more picks than were measured; the loop over I keeps registers bounded)."""
+    gate_up: one column (one gate row and one up row) per program in 512-wide steps with 2 warps -- thousands of
+    small programs, so every SM streams about the same number of rows (measured on the H200: 4 columns per program
+    30.3 against 28.4 µs at 35B-A3B). down: 8 columns per program in 64-wide steps over every slot at once, 8 warps.
+    Narrower where H or I is. Up to H = 2048 and I = 512 (35B-A3B), down loads its weights before the PDL wait
+    (``DOWN_EARLY``, 4 columns per program; measured: 23 against 25.1 µs at 35B-A3B, a wash or slower at the other
+    shapes; tuning/notes_moe.md), but not where one program's tile would pass ``EARLY_TILE_MAX`` elements (more
+    picks than were measured; the loop over I keeps registers bounded)."""
     early = H <= 2048 and I <= 512 and (slots is None or pow2(slots) * min(4, pow2(H)) * pow2(I, 16) <= EARLY_TILE_MAX)
     return DecodeConfig(UP_N=1, UP_K=min(512, pow2(H, 16)), UP_WARPS=2, DOWN_N=min(4 if early else 8, pow2(H)),
                         DOWN_K=min(64, pow2(I, 16)), DOWN_WARPS=8, DOWN_EARLY=early)
@@ -106,7 +102,7 @@ def _route_one_token(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E_GLO
                      HAS_SHARED: tl.constexpr):
     """Every slot's (group, weight) for the gate_up and down launches, from the router's split-K partials."""
     row = tl.arange(0, 1)
-    weights, ids = _top_k_rows(_summed_logits(logits_ptr, row, 1, E_GLOBAL, N_SPLITS, E_PAD), tl.arange(0, E_PAD),
+    weights, ids = top_k_rows(summed_logits(logits_ptr, row, 1, E_GLOBAL, N_SPLITS, E_PAD), tl.arange(0, E_PAD),
                                E_GLOBAL, TOP_K, K_PAD, RENORMALIZE)
     slot = tl.arange(0, K_PAD)[None, :]
     routed = slot < TOP_K
@@ -118,7 +114,7 @@ def _route_one_token(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E_GLO
     tl.store(weight_ptr + slot, weights, mask=routed)
     if HAS_SHARED:
         tl.store(group_ptr + TOP_K + row, E_LOCAL + 0 * row)
-        tl.store(weight_ptr + TOP_K + row, _shared_weight(gate_ptr, row, 1, N_SPLITS, HAS_GATE))
+        tl.store(weight_ptr + TOP_K + row, shared_weight(gate_ptr, row, 1, N_SPLITS, HAS_GATE))
 
 
 @triton.jit
@@ -131,7 +127,7 @@ def _decode_router_kernel(x_ptr, w_ptr, gate_w_ptr, logits_ptr, gate_ptr, count_
     """Router GEMV tile ``(program_id(0), program_id(2))`` (the general router's split-K partials); the last
     program to finish routes the token (:func:`_route_one_token`)."""
     _pdl.enter(PDL)
-    _router_tile(x_ptr, w_ptr, gate_w_ptr, logits_ptr, gate_ptr, tl.program_id(0), 0, tl.program_id(2), 1, H,
+    router_tile(x_ptr, w_ptr, gate_w_ptr, logits_ptr, gate_ptr, tl.program_id(0), 0, tl.program_id(2), 1, H,
                  E_GLOBAL, K_PER_SPLIT, HAS_GATE, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
     if last_to_arrive(count_ptr, tl.num_programs(0) * tl.num_programs(2)):
         _route_one_token(logits_ptr, gate_ptr, map_ptr, group_ptr, weight_ptr, E_GLOBAL, E_LOCAL, N_SPLITS, TOP_K,
@@ -151,7 +147,7 @@ def _decode_gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, h_ptr, group_ptr, H, I, E
     group = tl.load(group_ptr + j)
     if group < 0:
         return
-    w = _expert_weights(w_ptr, shared_w_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
+    w = expert_weights(w_ptr, shared_w_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
     cols = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     ks = tl.arange(0, BLOCK_K)
@@ -199,8 +195,8 @@ def _decode_down_kernel(h_ptr, w_ptr, shared_w_ptr, group_ptr, weight_ptr, out_p
                         SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, HAS_SHARED: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False):
     """Output columns ``program_id(0) * BLOCK_N ..``: the sum over slots of ``weight_j * h_j W2[e_j]^T``. Every slot's
-    tile comes in one load per K step (``[SLOTS_PAD, BLOCK_N, BLOCK_K]``: many bytes in flight per program; a loop
-    over the slots was 1.0-3.2 µs slower on the H200), the slots' weighted sum is a fixed-order tree in fp32."""
+    tile comes in one load per K step (``[SLOTS_PAD, BLOCK_N, BLOCK_K]``: many bytes in flight per program; measured:
+    a loop over the slots 1.0-3.2 µs slower on the H200), the slots' weighted sum is a fixed-order tree in fp32."""
     _pdl.enter(PDL)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     slot, kept, base = _slot_weights(w_ptr, shared_w_ptr, group_ptr, H, I, E_LOCAL, SLOTS, SLOTS_PAD, HAS_SHARED, "")
@@ -257,8 +253,8 @@ def one_token_scratch(E: int, n_splits: int, gate: bool, slots: int, I: int, h_d
     """(router partials ``[n_splits, 1, E]`` fp32, gate partials ``[n_splits, 1]`` (the partials again without a
     gate), groups ``[slots]`` int32, weights ``[slots]`` fp32, h ``[slots, I]``) of one token's block: views of one
     buffer kept per thread, device and stream (:mod:`kernels_triton._kept`; made once per layout), or of a new one
-    (``keep=False``, a graph capture, off CUDA). What this saves is host time (two allocations and six views a call,
-    ~25 µs on the H200's hosts): it matters to eager decode."""
+    (``keep=False``, a graph capture, off CUDA). What this saves is host time (two allocations and six views a call;
+    measured: ~25 µs on the H200's host): it matters to eager decode."""
     layout = (E, n_splits, gate, slots, slots * I, h_dtype.itemsize)
     total, starts = _one_token_layout(*layout)
 

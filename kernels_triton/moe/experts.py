@@ -16,7 +16,6 @@ HAS_SHARED) uses ``shared_w13 [2I, H]`` / ``shared_w2 [H, I]``. Pointer offsets 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -25,10 +24,10 @@ from triton import knobs
 
 from kernels_triton._arrival import BLOCK_COUNTERS, signal, wait_for
 from kernels_triton._launch import DirectLauncher, ensure_scratch_allocator
+from kernels_triton._util import cdiv, pow2
 from kernels_triton.moe import pdl as _pdl
 from kernels_triton.moe.align import Alignment
 from kernels_triton.moe.config import GemmConfig
-from kernels_triton.moe.routing import cdiv, pow2
 
 
 @triton.jit
@@ -50,7 +49,7 @@ def _tile_rows(row0, start, count, sorted_ptr, BM: tl.constexpr):
 
 
 @triton.jit
-def _expert_weights(w_ptr, shared_w_ptr, group, expert_numel, E_LOCAL, HAS_SHARED: tl.constexpr):
+def expert_weights(w_ptr, shared_w_ptr, group, expert_numel, E_LOCAL, HAS_SHARED: tl.constexpr):
     """Base pointer of group's weights: expert ``group`` of the stack, or the shared expert (group E_LOCAL)."""
     base = w_ptr + group.to(tl.int64) * expert_numel
     if HAS_SHARED:
@@ -130,7 +129,7 @@ def _gate_up_kernel(x_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, gro
             signal(done_ptr + block)
         return
     group, start, count, n_real = _block_group(block, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M)
-    w_base = _expert_weights(w_ptr, shared_w_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
+    w_base = expert_weights(w_ptr, shared_w_ptr, group, 2 * I * H, E_LOCAL, HAS_SHARED)
     row0 = block * BLOCK_M
     if SUB_LEVELS >= 2:
         if n_real <= BLOCK_M // 4:
@@ -213,7 +212,7 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
     block, tile_n = pid // n_groups, (pid % n_groups) * TILES_N
     if PREFETCH_LINES > 0:
         if block < tl.load(total_blocks_ptr):
-            w_next = _expert_weights(w_ptr, shared_w_ptr, tl.load(block_group_ptr + block), H * I, E_LOCAL,
+            w_next = expert_weights(w_ptr, shared_w_ptr, tl.load(block_group_ptr + block), H * I, E_LOCAL,
                                      HAS_SHARED)
             _pdl.prefetch_rows_l2(w_next, tile_n * BLOCK_N, H, I, BLOCK_N * TILES_N, PREFETCH_LINES, LINE_ELEMS)
     if WAIT:
@@ -224,7 +223,7 @@ def _down_kernel(h_ptr, w_ptr, shared_w_ptr, sorted_ptr, block_group_ptr, group_
     if block >= tl.load(total_blocks_ptr):
         return
     group, start, count, n_real = _block_group(block, block_group_ptr, group_start_ptr, group_count_ptr, BLOCK_M)
-    w_base = _expert_weights(w_ptr, shared_w_ptr, group, H * I, E_LOCAL, HAS_SHARED)
+    w_base = expert_weights(w_ptr, shared_w_ptr, group, H * I, E_LOCAL, HAS_SHARED)
     row0 = block * BLOCK_M
     if SUB_LEVELS >= 2:
         if n_real <= BLOCK_M // 4:
@@ -333,18 +332,15 @@ _launch_combine = DirectLauncher(_combine_kernel)
 def sub_levels(block_m: int) -> int:
     """How many times a block may halve its tile when it holds few real rows (128-row blocks: 64 and 32 rows).
 
-    Each expert's group is padded to a multiple of BLOCK_M, and its last block is often mostly padding (35B at
-    2048-8192 tokens: ~64-256 slots per expert, spread by a few tens). A block with at most BLOCK_M / 2 (/ 4)
-    real rows runs a tile of that height instead: the same weight tiles are read, a half (a quarter) of the MMA
-    work is done. H200 (``bench_moe --sub-tiles``, gate_up + down with the shared expert, µs): 35B M=4096
-    724 -> 652, M=8192 1153 -> 1078, M=16384 1967 -> 1894; 122B M=4096 2062 -> 1864; 397B-TP8 M=8192 1074 -> 988.
-    64-row blocks lost with a 32-row level (35B M=8192 1183 -> 1230), so they keep one tile height. The expert
-    GEMMs take ``sub=`` to override this (``bench_moe --sub-tiles`` times both).
+    Each expert's group of token-slots is padded to a multiple of BLOCK_M, and its last block is often mostly padding
+    (35B at 2048-8192 tokens: ~64-256 slots per expert, spread by a few tens). A block with at most BLOCK_M / 2 (/ 4)
+    real rows runs a tile of that height instead: the same weight tiles are read, a half (a quarter) of the MMA work
+    is done (measured on the H200: gate_up + down 652 against 724 µs at 35B M=4096; 64-row blocks lost with a 32-row
+    level, so they keep one tile height; tuning/notes_moe.md). The expert GEMMs take ``sub=`` to override this.
     """
     return 2 if block_m >= 128 else 0
 
 
-TMA_ENV = "QWEN35_MOE_TMA"  # "0" / "1": never / always (where possible) take the weight-tile descriptor path
 TMA_DOWN_MIN_ROWS = 256  # token-slots per group from which the down GEMM takes it by default (see tma_default)
 
 
@@ -367,18 +363,10 @@ def tma_possible(which: str, x: torch.Tensor, cfg: GemmConfig, H: int, I: int) -
 
 
 def tma_default(which: str, x: torch.Tensor, cfg: GemmConfig, H: int, I: int, rows_per_group: float) -> bool:
-    """Whether ``which`` reads its weight tiles through tensor descriptors when the caller does not say.
-
-    ``QWEN35_MOE_TMA`` = 0 / 1 decides if set. Else only the down GEMM, from TMA_DOWN_MIN_ROWS token-slots per
-    group on: H200 sweep (tuning/results/moe_tma_nvidia_h200.json, graph replay, same bits), down µs pointer ->
-    TMA: 35B M=8192 (288 slots per group) 425 -> 402, M=16384 721 -> 662, 397B-TP8 M=16384 (352) 827 -> 741;
-    fewer slots lost or tied (TP8 M=8192 (176) 466 -> 498, M=4096 283 -> 292, 35B M=4096 (144) 239 -> 235; decode
-    tiles 6.4 -> 7.4 µs at 35B M=1). gate_up moved -5..+3 % (639 -> 655 µs at 35B M=8192): it keeps pointers.
-    The interpreter takes the path only when asked (tests).
-    """
-    env = os.environ.get(TMA_ENV)
-    if env is not None and env != "":
-        return env == "1" and tma_possible(which, x, cfg, H, I)
+    """Whether ``which`` reads its weight tiles through tensor descriptors when the caller does not say: only the
+    down GEMM, from TMA_DOWN_MIN_ROWS token-slots per group on (measured on the H200, same bits: down 662 against 721 µs
+    at 35B M=16384; fewer slots per group lost or tied, and gate_up moved -5..+3 %; tuning/notes_moe.md). The
+    interpreter takes the path only when asked (tests)."""
     return (which == "down" and x.is_cuda and rows_per_group >= TMA_DOWN_MIN_ROWS
             and tma_possible(which, x, cfg, H, I))
 
@@ -425,10 +413,8 @@ def gate_up(x: torch.Tensor, w13: torch.Tensor, shared_w13: torch.Tensor | None,
 def down_tiles_per_program(cfg: GemmConfig, H: int, I: int) -> int:
     """Column tiles one down program runs in a flat loop (see :func:`_down_kernel`): about 32 K steps per program
     with 64- and 128-row blocks; one tile with 16-row blocks (decode streams weights: it wants many programs).
-
-    H200 sweep of the down GEMM alone (tuning/results/moe_down_flat_nvidia_h200.json), us for 1 tile -> this rule:
-    397B-TP8 (I=128) M=1024 230 -> 160, M=4096 421 -> 268, M=16384 1024 -> 692; 35B (I=512) M=4096 261 -> 246,
-    M=16384 688 -> 609; 35B M=1024 145 -> 153 (the one loss; one tile is best there).
+    Measured on the H200, the down GEMM alone against one tile per program: 397B-TP8 M=4096 268 against 421 µs, 35B
+    M=16384 609 against 688; one loss, 35B M=1024 153 against 145 (tuning/notes_moe.md).
     """
     if cfg.BLOCK_M < 64:
         return 1
@@ -472,10 +458,7 @@ def down(h: torch.Tensor, w2: torch.Tensor, shared_w2: torch.Tensor | None, al: 
     return y
 
 
-BLOCK_WAIT_ENV = "QWEN35_MOE_BLOCK_WAIT"  # "0" / "1": down waits for the whole gate_up launch / block by block
-
-
-BLOCK_WAIT_MAX_TOKENS = 16  # the default's reach (see block_wait_default)
+BLOCK_WAIT_MAX_TOKENS = 16  # the down launch waits block by block up to this many tokens (see block_wait_default)
 
 
 def block_wait_default(pdl: bool, al: Alignment, M: int) -> bool:
@@ -484,16 +467,11 @@ def block_wait_default(pdl: bool, al: Alignment, M: int) -> bool:
 
     Only with PDL, where the down launch's programs start while the gate_up launch's last ones run (without it the
     whole launch has finished anyway): each down program then starts as soon as the gate_up programs of its own
-    block have stored ``h``, and fills the SMs the gate_up launch's last wave leaves idle. ``QWEN35_MOE_BLOCK_WAIT``
-    = 0 / 1 decides if set; else up to BLOCK_WAIT_MAX_TOKENS tokens. H200, whole block by graph replay, 8 batches
-    cycled, µs (tuning/results/moe_block_wait_s17_nvidia_h200.json): 35B-A3B M=2 41.2 -> 40.3, M=16 166.2 -> 161.9;
-    397B-TP8 M=2 35.9 -> 34.6, M=16 134.8 -> 134.4; but 35B M=32 252.6 -> 255.0 (more, shorter down programs, each
-    paying its wait's round trip).
+    block have stored ``h``, and fills the SMs the gate_up launch's last wave leaves idle. Up to
+    BLOCK_WAIT_MAX_TOKENS tokens (measured on the H200 by graph replay: 35B-A3B M=16 161.9 against 166.2 µs; at M=32
+    255.0 against 252.6, more and shorter down programs each paying its wait's round trip; tuning/notes_moe.md).
     """
-    if not pdl or al.max_blocks > BLOCK_COUNTERS:
-        return False
-    env = _pdl.env_choice(BLOCK_WAIT_ENV)
-    return M <= BLOCK_WAIT_MAX_TOKENS if env is None else env
+    return pdl and al.max_blocks <= BLOCK_COUNTERS and M <= BLOCK_WAIT_MAX_TOKENS
 
 
 def _check_counters(done: torch.Tensor | None, al: Alignment) -> None:

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels_triton._arrival import block_counters
+from kernels_triton._util import cdiv
 from kernels_triton.moe import align as _align
 from kernels_triton.moe import config as _config
 from kernels_triton.moe import decode as _decode
@@ -46,7 +47,7 @@ def _run_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: 
     try:
         h = _experts.gate_up(x, w13, shared_w13, al, weights.shape[1], cfgs[0], pdl=pdl, done=done)
         y = _experts.down(h, w2, shared_w2, al, weights, cfgs[1], pdl=pdl, done=done,
-                          up_tiles=_routing.cdiv(w2.shape[2], cfgs[0].BLOCK_N))
+                          up_tiles=cdiv(w2.shape[2], cfgs[0].BLOCK_N))
         return _experts.combine(y, al, x.shape[0], weights.shape[1], extra, pdl=pdl, done=done)
     except BaseException:
         if done is not None:  # a launch that ran signalled them and the combine did not run: the next call starts
@@ -100,7 +101,7 @@ def moe_block(
     if M == 1 and (shared_w13 is None or fused_shared) and _decode.enabled():
         return _decode.moe_block_one_token(x, router_weight, w13, w2, top_k, renormalize, shared_w13, shared_w2,
                                            shared_gate_weight, expert_map,
-                                           pdl=_pdl.env_choice(_pdl.ENV) is True and _pdl.enabled(x))
+                                           pdl=_pdl.forced() is True and _pdl.enabled(x))
     gate = shared_gate_weight if fused_shared else None
     cfgs = _config.configs(M, top_k, E, H, I, x.dtype, x.device)
     extra = None

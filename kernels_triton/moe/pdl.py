@@ -6,17 +6,11 @@ before waiting: at one token the down GEMM prefetches its weight tiles into L2 w
 alignment it reads them by is two launches back, finished by the time any down program runs: every gate_up program
 waited for it before letting down start).
 
-H200, whole block by graph replay, same bits: one token 26.85 -> 25.24 µs (35B-A3B), 28.02 -> 25.86 (397B-TP8)
-(tuning/results/moe_pdl_nvidia_h200.json); from 4 tokens on the down GEMM's prefetch made it slower (35B M=16 176 ->
-183: its early prefetches compete with the gate_up's weight stream), but PDL without that prefetch is faster
-wherever routing and alignment are one launch (tuning/results/moe_pdl_s16_nvidia_h200.json, 8 batches cycled, µs:
-35B M=4 67.4 -> 64.9, M=16 167.3 -> 164.2; 397B-TP8 M=4 56.8 -> 54.6, M=16 134.0 -> 131.9; the sweep of
-moe_pdl_sweep_s16_nvidia_h200.json, four models with and without the shared expert: 1.4-3.3 µs faster at M = 2-32 of
-35B and 2-24 of 122B, 2.0-2.8 at M = 2-16 of 397B TP4 / TP8, within 1.5 either way at 24 tokens there), not beyond
-(397B-TP8 M=32 213.7 -> 220.9, M=64 323.0 -> 339.1; 122B M=64 956 -> 964). So the default is PDL where
-``M * top_k <= align.ALIGN_LAST_MAX_SLOTS`` (routing and alignment in one launch) on sm_90+, the prefetch at one
-token only; ``QWEN35_MOE_PDL=1`` / ``0`` turns PDL on at every size / off. One token takes the decode path
-(:mod:`kernels_triton.moe.decode`) since session 11, whose launches were slower with PDL: there it applies only with
+The default is PDL where ``M * top_k <= align.ALIGN_LAST_MAX_SLOTS`` (routing and alignment in one launch) on
+sm_90+, the down GEMM's prefetch at one token only: measured on the H200 by graph replay, 1.4-3.3 µs less per block
+at 2-32 tokens, slower from 32 tokens of 397B-TP8 on, the prefetch slower from 4 tokens on (tuning/notes_moe.md).
+``QWEN35_MOE_PDL=1`` / ``0`` turns PDL on at every size / off. One token takes the decode path
+(:mod:`kernels_triton.moe.decode`), whose launches measured slower with PDL: there it applies only with
 ``QWEN35_MOE_PDL=1``; the one-token default above holds for the general pipeline (``QWEN35_MOE_DECODE=0``). The CPU
 interpreter never takes this path.
 """
@@ -27,9 +21,11 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._pdl import enter, env_choice, let_next_start, options, supported
+from kernels_triton._pdl import enter, let_next_start, options, supported
+from kernels_triton._util import cdiv, pow2
+from qwen35 import knobs as qwen35_knobs
 
-__all__ = ["ENV", "enabled", "enter", "let_next_start", "options", "prefetch_lines", "prefetch_rows_l2"]
+__all__ = ["ENV", "enabled", "enter", "forced", "let_next_start", "options", "prefetch_lines", "prefetch_rows_l2"]
 
 ENV = "QWEN35_MOE_PDL"
 
@@ -40,10 +36,15 @@ def enabled(x: torch.Tensor, by_default: bool = True) -> bool:
     (never)."""
     if not x.is_cuda:
         return False
-    forced = env_choice(ENV)
-    if forced is False or (forced is None and not by_default):
+    choice = forced()
+    if choice is False or (choice is None and not by_default):
         return False
     return supported(x.device)
+
+
+def forced() -> bool | None:
+    """``QWEN35_MOE_PDL``: True (``1``, every size), False (``0``, never) or None (unset: the size rule)."""
+    return qwen35_knobs.on(ENV)
 
 
 @triton.jit
@@ -62,4 +63,4 @@ def prefetch_rows_l2(base, row0, n_rows, row_len, ROWS: tl.constexpr, LINES: tl.
 def prefetch_lines(row_len: int, elem_bytes: int) -> tuple[int, int]:
     """(LINES, LINE_ELEMS) for :func:`prefetch_rows_l2`: 128-byte lines covering a row, padded to a power of two."""
     line_elems = 128 // elem_bytes
-    return triton.next_power_of_2(max(1, -(-row_len // line_elems))), line_elems
+    return pow2(cdiv(row_len, line_elems)), line_elems

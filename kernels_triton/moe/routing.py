@@ -3,38 +3,23 @@
 Top-k selects on the fp32 logits (softmax is monotone, so this is the order of the
 probabilities without their rounding), ties to the lowest expert id: the picks are the largest
 keys ``(order-preserving int32 of the logit) << 32 | (E_PAD - 1 - id)``, by one bitonic top-k
-for a one-row tile, by TOP_K max reductions in turn for tiles of several rows. Weights are
+(``tl.topk``) for a one-row tile (one token; every route tile of up to 64 tokens), by TOP_K max reductions in
+turn for tiles of several rows: the same picks either way (measured on the H200: the bitonic form
+0.9-1.5 µs less per one-token block, 5-9 µs more on 16-row tiles; tuning/notes_moe.md). Weights are
 ``exp(l - max)`` of the picks over their sum (renormalise) or over the sum of all experts.
 """
 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from kernels_triton._launch import DirectLauncher, aligned16
+from kernels_triton._launch import DirectLauncher
+from kernels_triton._util import aligned16, cdiv, pow2
 from kernels_triton.moe import pdl as _pdl
-
-TOPK_ENV = "QWEN35_MOE_TOPK"
-
-
-def _env_topk() -> bool:
-    """Whether one-row route tiles take the bitonic top-k: ``QWEN35_MOE_TOPK`` ``bitonic`` (default) or ``max``."""
-    value = os.environ.get(TOPK_ENV, "bitonic") or "bitonic"
-    if value not in ("bitonic", "max"):
-        raise ValueError(f"{TOPK_ENV}={value!r}: accepted bitonic (the default) or max")
-    return value == "bitonic"
-
-
-# Top-k of a one-row tile (one token; every route tile up to 64 tokens) by one bitonic top-k of the packed keys
-# (tl.topk) instead of TOP_K block-wide max reductions in turn: the same picks and weights, 0.9-1.5 µs less per
-# one-token block on the H200 (tuning/results/moe_topk_s20_nvidia_h200.json). Tiles of several rows keep the
-# reductions (16 rows: 5-9 µs slower bitonic). QWEN35_MOE_TOPK=max turns it off (read at import).
-TOPK_BITONIC = tl.constexpr(_env_topk())
 
 ROUTE_TILE = 4096  # elements of the [rows, E_PAD] logits tile one route program holds
 
@@ -73,7 +58,7 @@ def _router_dots(x_ptr, w_ptr, gate_ptr, rows, cols, M, H, E, k_first, K_PER_SPL
 
 
 @triton.jit
-def _router_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, pid_n, pid_m, pid_s, M, H, E, K_PER_SPLIT,
+def router_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, pid_n, pid_m, pid_s, M, H, E, K_PER_SPLIT,
                  HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  IEEE: tl.constexpr):
     """Store out[s, m, n] = x[m] . W[n] and gate_out[s, m] = x[m] . gate over split ``pid_s``'s slice of H for the
@@ -100,18 +85,18 @@ def _router_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, pid_n, pid_m, pi
 def _router_logits_kernel(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, M, H, E, K_PER_SPLIT,
                           HAS_GATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = False):
-    """The router's split-K partials, one :func:`_router_tile` per program.
+    """The router's split-K partials, one :func:`router_tile` per program.
 
     Column tiles are the fastest grid axis: the programs sharing a tile of x run together and read
     it from L2 (x-major order re-read x from DRAM once per column tile: 4x at E = 512).
     """
     _pdl.enter(PDL)
-    _router_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, tl.program_id(0), tl.program_id(1),
+    router_tile(x_ptr, w_ptr, gate_ptr, out_ptr, gate_out_ptr, tl.program_id(0), tl.program_id(1),
                  tl.program_id(2), M, H, E, K_PER_SPLIT, HAS_GATE, BLOCK_M, BLOCK_N, BLOCK_K, IEEE)
 
 
 @triton.jit
-def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
+def top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENORMALIZE: tl.constexpr):
     """logits [R, E_PAD] fp32 (columns >= E ignored) -> (weights [R, K_PAD] fp32, ids [R, K_PAD] int32)."""
     E_PAD: tl.constexpr = logits.shape[1]
     real = cols[None, :] < E
@@ -121,7 +106,7 @@ def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENOR
     packed = (order.to(tl.int64) << 32) | ((E_PAD - 1) - cols[None, :].to(tl.int64))
     packed = tl.where(real, packed, -(1 << 63))
     slot = tl.arange(0, K_PAD)[None, :]
-    if TOPK_BITONIC and logits.shape[0] == 1:
+    if logits.shape[0] == 1:
         # the K_PAD largest keys, largest first, in one bitonic top-k (every key is distinct: the id is in it)
         best = tl.topk(packed, K_PAD)
         ids = (E_PAD - 1) - (best & 0xFFFFFFFF).to(tl.int32)
@@ -149,7 +134,7 @@ def _top_k_rows(logits, cols, E, TOP_K: tl.constexpr, K_PAD: tl.constexpr, RENOR
 
 
 @triton.jit
-def _summed_logits(logits_ptr, rows, M, E, N_SPLITS: tl.constexpr, E_PAD: tl.constexpr):
+def summed_logits(logits_ptr, rows, M, E, N_SPLITS: tl.constexpr, E_PAD: tl.constexpr):
     """The logits ``[rows, E_PAD]`` fp32 of ``rows``: the split-K partials ``[N_SPLITS, M, E]`` summed in split order
     (N_SPLITS constexpr: the partial loads are unrolled and all in flight at once). The loads skip L1 (``.cg``):
     the partials may come from other programs of the same launch (:mod:`kernels_triton.moe.decode`), which L1 does
@@ -164,7 +149,7 @@ def _summed_logits(logits_ptr, rows, M, E, N_SPLITS: tl.constexpr, E_PAD: tl.con
 
 
 @triton.jit
-def _shared_weight(gate_ptr, rows, M, N_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr):
+def shared_weight(gate_ptr, rows, M, N_SPLITS: tl.constexpr, HAS_GATE: tl.constexpr):
     """The shared expert's weight for ``rows``: sigmoid of the gate logit (its split partials ``[N_SPLITS, M]``
     summed in order), 1 without a gate."""
     gate = tl.zeros((rows.shape[0],), dtype=tl.float32)
@@ -176,7 +161,7 @@ def _shared_weight(gate_ptr, rows, M, N_SPLITS: tl.constexpr, HAS_GATE: tl.const
 
 
 @triton.jit
-def _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS: tl.constexpr,
+def route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS: tl.constexpr,
                 TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RENORMALIZE: tl.constexpr,
                 HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
     """Route the rows ``rows``: sum the split-K partials in order, pick top-k, store; append the shared slot.
@@ -188,7 +173,7 @@ def _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_I
     n_out = TOP_K + HAS_SHARED
     cols = tl.arange(0, E_PAD)
     row_ok = rows < M
-    weights, ids = _top_k_rows(_summed_logits(logits_ptr, rows, M, E, N_SPLITS, E_PAD), cols, E, TOP_K, K_PAD,
+    weights, ids = top_k_rows(summed_logits(logits_ptr, rows, M, E, N_SPLITS, E_PAD), cols, E, TOP_K, K_PAD,
                                RENORMALIZE)
     slot = tl.arange(0, K_PAD)
     out = rows[:, None] * n_out + slot[None, :]
@@ -196,7 +181,7 @@ def _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_I
     tl.store(weights_ptr + out, weights, mask=out_mask)
     tl.store(ids_ptr + out, ids, mask=out_mask)
     if HAS_SHARED:
-        w_shared = _shared_weight(gate_ptr, rows, M, N_SPLITS, HAS_GATE)
+        w_shared = shared_weight(gate_ptr, rows, M, N_SPLITS, HAS_GATE)
         tl.store(weights_ptr + rows * n_out + TOP_K, w_shared, mask=row_ok)
         tl.store(ids_ptr + rows * n_out + TOP_K, tl.zeros((rows.shape[0],), dtype=tl.int32) + SHARED_ID, mask=row_ok)
 
@@ -206,23 +191,13 @@ def _route_kernel(logits_ptr, gate_ptr, weights_ptr, ids_ptr, M, E, SHARED_ID, N
                   TOP_K: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
                   RENORMALIZE: tl.constexpr, HAS_GATE: tl.constexpr, HAS_SHARED: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    _route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS, TOP_K, K_PAD, E_PAD,
+    route_tile(logits_ptr, gate_ptr, weights_ptr, ids_ptr, rows, M, E, SHARED_ID, N_SPLITS, TOP_K, K_PAD, E_PAD,
                 RENORMALIZE, HAS_GATE, HAS_SHARED)
 
 
 # launched through DirectLauncher: no per-call argument binding once compiled (see kernels_triton/_launch.py)
 _launch_router_logits = DirectLauncher(_router_logits_kernel)
 _launch_route = DirectLauncher(_route_kernel)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Host-side ceil division (``triton.cdiv`` costs microseconds per call on the host path)."""
-    return -(-a // b)
-
-
-def pow2(n: int, lo: int = 1) -> int:
-    """Smallest power of two >= max(n, lo), in plain Python."""
-    return max(lo, 1 << (max(n, 1) - 1).bit_length())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -252,7 +227,7 @@ def gate_logits(logits: torch.Tensor, n_splits: int) -> torch.Tensor:
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool, *, n_splits: int = 1, n_experts: int | None = None,
           gate: bool = False, shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing of ``logits`` ``[n_splits, M, E]`` (or ``[M, E]``); see :func:`_route_tile`.
+    """Top-k routing of ``logits`` ``[n_splits, M, E]`` (or ``[M, E]``); see :func:`route_tile`.
 
     ``gate``: ``logits`` comes from :func:`router_logits` with a gate weight (the gate partials follow it).
     """
@@ -275,10 +250,10 @@ def router_launch(M: int, H: int, E: int) -> tuple[tuple[int, int, int], int, di
     """(grid, K per split, constexprs + launch options) of the router GEMM for M tokens and E experts.
 
     Small M is a GEMV over the router weight: split H so that ~128 programs stream it (every split
-    is one more partial the routing sums, so no more than that); ~256 for 512 experts at up to 16 tokens (4 MB at
-    397B-A17B TP4 / TP8: 1.0-1.2 µs faster per block at one and 16 tokens on the H200, while 256 experts gained
-    nothing from more; tuning/results/moe_router_splits_s15_nvidia_h200.json). Large M uses tensor-core tiles,
-    split only while the tiles alone leave SMs idle.
+    is one more partial the routing sums, so no more than that); ~256 for 512 experts at up to 16 tokens (a 4 MB
+    router weight at 397B-A17B TP4 / TP8; measured: 1.0-1.2 µs less per block on the H200, while 256 experts gain
+    nothing from more; tuning/notes_moe.md). Large M uses tensor-core tiles, split only while the tiles alone
+    leave SMs idle.
     """
     if M <= 64:
         block_m, block_n, block_k, warps, stages = 16, 16 if M <= 16 else 32, 128, 4, 3

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from qwen35.reference.common import compute_dtype_for
+
 
 def attention_decode(
     q: torch.Tensor,
@@ -17,7 +19,7 @@ def attention_decode(
     """One query per row over keys ``0 .. lengths[b] - 1`` of slot ``slots[b]``: see ``qwen35.ops.attention_decode``."""
     B, H, D = q.shape
     KV, L = k_cache.shape[1], k_cache.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = compute_dtype_for(q)
     live = slots >= 0
     idx = torch.where(live, slots, torch.zeros_like(slots)).long()
     n = torch.where(live, lengths.long(), torch.zeros_like(lengths, dtype=torch.long))
@@ -32,7 +34,7 @@ def attention_decode(
 
 
 def _norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = compute_dtype_for(x)
     xf = x.to(acc)
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + weight.to(acc))
     half = cos.shape[-1]
@@ -50,5 +52,5 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_wei
 
 def sigmoid_gate_mul(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``x * sigmoid(gate)`` in fp32 (fp64 for fp64 inputs), contiguous, in x's dtype."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = compute_dtype_for(x)
     return (x.to(acc) * torch.sigmoid(gate.to(acc))).to(x.dtype).contiguous()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qwen35.reference.common import compute_dtype_for
+
 
 def _conv_window(window: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, activation: str | None):
     """window: [D, W-1+L] inputs (history first); returns [L, D] in the window's dtype."""
@@ -28,7 +30,7 @@ def causal_conv1d_prefill(
     """Reference for :func:`qwen35.ops.causal_conv1d_prefill`."""
     T, D = x.shape
     W = weight.shape[1]
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype_for(x)
     w = weight.to(dtype)
     bs = bias.to(dtype) if bias is not None else None
     bounds = [0, T] if cu_seqlens is None else cu_seqlens.tolist()
@@ -61,7 +63,7 @@ def causal_conv1d_update(
     """Reference for :func:`qwen35.ops.causal_conv1d_update`: one token per row, pool updated in place."""
     B, D = x.shape
     W = weight.shape[1]
-    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dtype = compute_dtype_for(x)
     w = weight.to(dtype)
     bs = bias.to(dtype) if bias is not None else None
     y = torch.zeros(B, D, dtype=dtype, device=x.device)

@@ -17,12 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qwen35.reference.common import compute_dtype_for
+
 L2_EPS = 1e-6
-
-
-def compute_dtype_for(*tensors: torch.Tensor | None) -> torch.dtype:
-    """fp64 if any input is fp64, else fp32: the reference never accumulates in less."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
 def l2_normalize(x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +180,7 @@ def _chunk_prefill(q, k, v, g, beta, a, b, A_log, dt_bias, cu_seqlens, initial_s
     if not output_final_state:
         return out.to(q.dtype), None
     final = torch.stack(finals) if finals else torch.zeros(0, HV, K, V, device=q.device)
-    return out.to(q.dtype), final.to(torch.float64 if dtype == torch.float64 else torch.float32)
+    return out.to(q.dtype), final.to(dtype)
 
 
 def gdn_recurrent_step(

@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from qwen35.reference.common import compute_dtype_for
+
 
 def moe_route(
     router_logits: torch.Tensor, top_k: int, renormalize: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (weights fp32 [M, k] (fp64 for fp64 logits), ids int32 [M, k]); ties go to the lowest id."""
-    dt = torch.float64 if router_logits.dtype == torch.float64 else torch.float32
+    dt = compute_dtype_for(router_logits)
     probs = torch.softmax(router_logits.to(dt), dim=-1)
     # A stable descending sort keeps equal probabilities in id order, so ties resolve to the lowest id.
     values, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
@@ -34,7 +36,7 @@ def moe_experts(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """sum_j weight_j * expert_{id_j}(x), computed in fp32 (fp64 if x is fp64); output in x's dtype."""
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dt = compute_dtype_for(x)
     M, H = x.shape
     out = torch.zeros(M, H, dtype=dt, device=x.device)
     ids = topk_ids.long()
@@ -64,7 +66,7 @@ def moe_block(
     expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference for :func:`qwen35.ops.moe_block`: router, routed experts and the gated shared expert."""
-    dt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    dt = compute_dtype_for(x)
     logits = x.to(dt) @ router_weight.to(dt).t()
     weights, ids = moe_route(logits, top_k, renormalize)
     out = moe_experts(x.to(dt), w13, w2, weights, ids, expert_map)

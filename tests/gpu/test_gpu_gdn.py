@@ -15,7 +15,8 @@ pytestmark = pytest.mark.gpu
 
 if torch.cuda.is_available():
     import kernels_triton as kt
-    from kernels_triton.gdn import chunk
+    from kernels_triton.gdn import bench_api as gdn_bench
+    from kernels_triton.gdn import launch, plan
     from qwen35 import reference as ref
 
 DEV = "cuda"
@@ -106,12 +107,12 @@ def test_prefill_decay_extremes_initial_state(decay):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_prefill_one_sequence_of_32_value_heads(dtype):
     """The 35B-A3B GDN shape (16 / 32 heads, one 8192-token sequence): 32 (sequence, head) pairs, where the scan
-    takes 32-wide V blocks on an H200-sized GPU (kernels_triton.gdn.chunk._scan_config); output and pool slot vs
+    takes 32-wide V blocks on an H200-sized GPU (kernels_triton.gdn.plan.scan_config); output and pool slot vs
     the fp64 reference."""
     _pool_prefill_vs_reference([8192], 16, 32, dtype, [2], [True], seed=23)
 
 
-def _pool_prefill_vs_reference(lens, H, HV, dtype, slots, has, seed, K=128, V=128, scan_config=None):
+def _pool_prefill_vs_reference(lens, H, HV, dtype, slots, has, seed, K=128, V=128, scan=None):
     """Prefill ``lens`` into pool ``slots`` (-1: padding) with ``has_initial_state`` flags: output and pool vs the
     fp64 reference, slots not named untouched."""
     d = _gdn_inputs(sum(lens), H, HV, K, V, dtype, seed=seed)
@@ -120,8 +121,8 @@ def _pool_prefill_vs_reference(lens, H, HV, dtype, slots, has, seed, K=128, V=12
     slots = torch.tensor(slots, dtype=torch.int32, device=DEV)
     has = torch.tensor(has, device=DEV)
     ours = pool.clone()
-    o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=ours, state_slots=slots, has_initial_state=has,
-                                use_qk_l2norm=True, scan_config=scan_config, metadata=kt.prepare_gdn_metadata(cu))
+    o, _ = gdn_bench.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=ours, state_slots=slots, has_initial_state=has,
+                                       use_qk_l2norm=True, scan=scan, metadata=kt.prepare_gdn_metadata(cu))
     ref_pool = pool.double()
     ro, _ = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, state_pool=ref_pool, state_slots=slots,
                                   has_initial_state=has, use_qk_l2norm=True)
@@ -134,24 +135,23 @@ def _pool_prefill_vs_reference(lens, H, HV, dtype, slots, has, seed, K=128, V=12
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[8269], [3000, 0, 1, 5000, 77]], ids=["one", "ragged"])
 def test_prefill_split_output(dtype, lens, scan_t):
-    """scan_config SPLIT (the scan leaves chunk states and V', a parallel launch computes the output) at the 397B-TP8
-    head counts, with W and U or (SCAN_T) T diag(beta) from the prepare: output and pool vs the fp64 reference, padded
-    slots untouched, chunk rows of several sequences."""
+    """A forced SPLIT scan config (the scan leaves chunk states and V', a parallel launch computes the output) at the
+    397B-TP8 head counts, with W and U or (SCAN_T) T diag(beta) from the prepare: output and pool vs the fp64
+    reference, padded slots untouched, chunk rows of several sequences."""
     N = len(lens)
     _pool_prefill_vs_reference(lens, 2, 8, dtype, [N + 1 - i if i != 1 else -1 for i in range(N)],
                                [i % 2 == 0 for i in range(N)], seed=41,
-                               scan_config={"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True,
-                                            "SCAN_T": scan_t})
+                               scan={"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True, "SCAN_T": scan_t})
 
 
 def _same_bits_in_parts(d, cu, pool, slots, base, parted, dtype, meta=None):  # noqa: ANN001
-    """Prefill into pool ``slots`` with scan_config ``parted`` (parts on three streams): the output and pool bits of
+    """Prefill into pool ``slots`` with the scan config ``parted`` (parts on three streams): the output and pool bits of
     ``base`` (one launch), eagerly and replayed from a CUDA graph (the side streams fork from and join the capture),
     three calls back to back each; and the fp64 reference's values."""
 
     def call(p, cfg):  # noqa: ANN001, ANN202
-        return kt.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, use_qk_l2norm=True,
-                                    scan_config=cfg, metadata=meta)[0]
+        return gdn_bench.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=p, state_slots=slots, use_qk_l2norm=True,
+                                           scan=cfg, metadata=meta)[0]
 
     want_pool = pool.clone()
     want = [call(want_pool, base) for _ in range(3)]
@@ -181,7 +181,7 @@ def _same_bits_in_parts(d, cu, pool, slots, base, parted, dtype, meta=None):  # 
 @pytest.mark.parametrize("seg_prepare", [False, True], ids=["prepare_whole", "prepare_in_parts"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "one_pass"])
 def test_prefill_in_segments_same_bits_eager_and_graph(dtype, seg_prepare, split, scan_t):
-    """scan_config SEGMENTS: one sequence's scan in parts on a high-priority stream, each part's output (split
+    """A forced SEGMENTS scan config: one sequence's scan in parts on a high-priority stream, each part's output (split
     scans) and prepare (SEG_PREPARE) beside the scan of the part before / after on two other streams. The same output
     and pool bits as one part, eager and replayed from a CUDA graph (the side streams fork from and join the
     capture), three calls back to back; and the fp64 reference's values."""
@@ -202,8 +202,8 @@ def test_prefill_in_segments_same_bits_eager_and_graph(dtype, seg_prepare, split
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("groups", [2, 3])
 def test_prefill_in_sequence_groups_same_bits_eager_and_graph(dtype, groups, scan_t):
-    """scan_config GROUPS: a batch's one-pass scans in groups of whole sequences on a high-priority stream, each
-    group's prepare beside the scan of the group before. The same output and pool bits as one launch, eager and
+    """A forced GROUPS scan config: a batch's one-pass scans in groups of whole sequences on a high-priority stream,
+    each group's prepare beside the scan of the group before. The same output and pool bits as one launch, eager and
     replayed from a CUDA graph, three calls back to back (empty, one-token and ragged sequences, a padded slot); and
     the fp64 reference's values."""
     lens = [3000, 0, 1, 2500, 4096, 700, 64, 1500]
@@ -227,7 +227,7 @@ def test_prefill_in_sequence_groups_same_bits_eager_and_graph(dtype, groups, sca
 def test_prefill_default_segments_one_long_sequence(dtype, HV):
     """The default config for one sequence of >= 16384 tokens runs the scan in parts (split scan at <= 16 pairs,
     one-pass scan from 32 pairs on): output and pool slot vs the fp64 reference, other slots untouched."""
-    cfg = chunk._scan_config(torch.device(DEV), 1, HV, 128, 128, 16384, dtype)
+    cfg = plan.scan_config(torch.device(DEV), 1, HV, 128, 128, 16384, dtype)
     assert cfg.get("SEGMENTS", 1) == 2 and cfg.get("SPLIT", False) == (HV == 8), cfg
     _pool_prefill_vs_reference([20000], 4, HV, dtype, [2], [True], seed=61)
 
@@ -236,7 +236,7 @@ def test_prefill_default_segments_one_long_sequence(dtype, HV):
 def test_prefill_default_groups_several_long_sequences(dtype):
     """The default config for several sequences of >= 8192 tokens at 32 value heads scans them in two groups of
     sequences: output and pool slots vs the fp64 reference, other slots untouched."""
-    cfg = chunk._scan_config(torch.device(DEV), 3, 32, 128, 128, 8192, dtype)
+    cfg = plan.scan_config(torch.device(DEV), 3, 32, 128, 128, 8192, dtype)
     assert cfg.get("GROUPS", 1) == 2 and cfg["SEG_PREPARE"], cfg
     _pool_prefill_vs_reference([9000, 8192, 8500], 4, 32, dtype, [2, -1, 0], [True, True, False], seed=81)
 
@@ -245,13 +245,13 @@ def test_prefill_default_groups_several_long_sequences(dtype):
 def test_prefill_split_output_small_head_dims(dtype):
     """SPLIT with head dims under 128 (32-wide output blocks: the tile class Triton 3.6 built wrong in one stage)."""
     _pool_prefill_vs_reference([300, 0, 129], 2, 4, dtype, [3, -1, 0], [True, False, True], seed=43, K=32, V=32,
-                               scan_config={"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True})
+                               scan={"BV": 16, "num_warps": 4, "num_stages": 3, "SPLIT": True})
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[64], [1], [17, 0, 30, 17]], ids=["64", "1", "ragged"])
 def test_prefill_short_batch_one_launch(dtype, lens):
-    """Batches of at most 64 tokens run both phases in one launch (chunk._chunk_single_kernel): output and pool vs
+    """Batches of at most 64 tokens run both phases in one launch (scan._chunk_single_kernel): output and pool vs
     the fp64 reference at the 27B-TP4 head counts, padded slots and has_initial_state flags included."""
     N = len(lens)
     _pool_prefill_vs_reference(lens, 4, 12, dtype, [N + 1 - i if i != 1 else -1 for i in range(N)],
@@ -259,15 +259,15 @@ def test_prefill_short_batch_one_launch(dtype, lens):
 
 
 def test_prefill_short_batch_workspace_kept_per_stream():
-    """The single-launch path keeps one workspace per stream (chunk._single_workspace): the same buffer for two calls
+    """The single-launch path keeps one workspace per stream (launch._single_workspace): the same buffer for two calls
     on a stream, another on another stream; two batches of different lengths back to back on one stream, and the
     first again from a captured graph (a workspace of its own), give the bits of the calls alone."""
     dev = torch.device("cuda")
-    first = chunk._single_workspace(1000, torch.float32, dev)
-    assert chunk._single_workspace(500, torch.float32, dev).data_ptr() == first.data_ptr()
+    first = launch._single_workspace(1000, torch.float32, dev)
+    assert launch._single_workspace(500, torch.float32, dev).data_ptr() == first.data_ptr()
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        assert chunk._single_workspace(1000, torch.float32, dev).data_ptr() != first.data_ptr()
+        assert launch._single_workspace(1000, torch.float32, dev).data_ptr() != first.data_ptr()
     d = _gdn_inputs(64, 4, 12, 128, 128, torch.bfloat16, seed=5)
     e = _gdn_inputs(40, 4, 12, 128, 128, torch.bfloat16, seed=6)
     for x in (d, e):
@@ -299,7 +299,7 @@ def test_prefill_small_head_dims(dtype, dims, lens):
     """Head dims under 128 (the tiny test models' 32): narrower prepare tiles (one pipeline stage) and scan
     blocks than any Qwen3.5 size, the class of tiles Triton 3.6 built wrong in the bf16 scan (session 7) and, at 16
     columns, in the bf16 prepare (session 9: an illegal address or errors of 0.01-1.1; bf16 now takes the fp32
-    workspace under 32 columns, chunk.workspace_dtype)."""
+    workspace under 32 columns, plan.workspace_dtype)."""
     K, V = dims
     _pool_prefill_vs_reference(lens, 2, 4, dtype, [3, -1, 0][:len(lens)], [True, False, True][:len(lens)], seed=33,
                                K=K, V=V)
@@ -322,11 +322,11 @@ def test_prefill_scan_configs(dtype, bv, stages, scan_t):
     cfg = {"BV": bv, "num_warps": 4, "num_stages": stages, "SCAN_T": scan_t}
     if dtype == torch.bfloat16 and stages == 1 and bv < 64:
         with pytest.raises(ValueError, match="num_stages >= 2"):
-            kt.gdn_chunk_prefill(**d, cu_seqlens=cu, initial_state=h0, use_qk_l2norm=True, scan_config=cfg)
+            gdn_bench.gdn_chunk_prefill(**d, cu_seqlens=cu, initial_state=h0, use_qk_l2norm=True, scan=cfg)
         return
     try:
-        o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, initial_state=h0, output_final_state=True,
-                                     use_qk_l2norm=True, scan_config=cfg)
+        o, ht = gdn_bench.gdn_chunk_prefill(**d, cu_seqlens=cu, initial_state=h0, output_final_state=True,
+                                            use_qk_l2norm=True, scan=cfg)
     except triton.runtime.errors.OutOfResources as e:
         pytest.skip(f"does not fit this GPU: {e}")
     ro, rht = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, initial_state=h0.double(), output_final_state=True,
@@ -335,24 +335,18 @@ def test_prefill_scan_configs(dtype, bv, stages, scan_t):
     assert_close(ht, rht, TOL[dtype], f"final state {cfg}")
 
 
-PREPARE_VARIANTS = {  # the tuning variants of the prepare kernel (see tuning/bench_gdn.py)
+PREPARE_VARIANTS = {  # the prepare kernel's forms a forced config can take (see kernels_triton.gdn.plan)
     "default": {},
     "substitution_uncapped": {"maxnreg": None},
-    "product_tf32x3": {"DIAG_BY_PRODUCT": True},
-    "bf16_merges": {"LOWP_MERGE": True},
+    "diag_rows_16": {"DIAG_ROWS": 16, "BLOCK_INV": 0, "SCALE_K": False},
     "diag_rows_8": {"DIAG_ROWS": 8},
     "diag_rows_4": {"DIAG_ROWS": 4},
     "columns_32": {"BKC": 32, "BVC": 32},
     "blocked_merges_16": {"BLOCK_INV": 1},
-    "blocked_merges_all": {"BLOCK_INV": 2},
     "blocked_merges_16_scale_k": {"BLOCK_INV": 1, "SCALE_K": True},
     "full_merges": {"BLOCK_INV": 0, "SCALE_K": False},
 }
-# The product series in plain tf32 (DIAG_BY_PRODUCT with EXACT_PREC="tf32") is left out on purpose: it fails
-# the "hard" keys below (see kernels_triton.gdn.chunk._prepare_config).
-HARD_OK = ("default", "substitution_uncapped", "product_tf32x3", "diag_rows_8", "diag_rows_4",  # no cancelling
-           "columns_32", "blocked_merges_16", "blocked_merges_all",
-           "blocked_merges_16_scale_k", "full_merges")
+HARD_OK = tuple(PREPARE_VARIANTS)  # every form is fp32-exact on the diagonal (no cancelling products)
 
 
 @pytest.mark.parametrize("keys", ["positive", "hard"])
@@ -373,8 +367,8 @@ def test_prefill_prepare_variants_correlated_keys(variant, keys):
         d["k"] = d["k"].abs() + 0.5
     cu = cu_from_lens(lens, DEV)
     cfg = {"num_warps": 4, "num_stages": 1, "maxnreg": 168, **PREPARE_VARIANTS[variant]}  # None: no cap
-    o, ht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True,
-                                 prepare_config=cfg)
+    o, ht = gdn_bench.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True,
+                                        prepare=cfg)
     ro, rht = ref.gdn_chunk_prefill(**_f64(d), cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True)
     assert_close(o, ro, TOL[torch.bfloat16], "output")
     assert_close(ht, rht, TOL[torch.bfloat16], "final state")
@@ -449,8 +443,8 @@ def test_decode_step_pdl_gives_the_same_bits(B, T):
     slots[B // 2] = -1
 
     def run(pool: torch.Tensor, pdl: bool) -> list[torch.Tensor]:
-        return [kt.gdn_recurrent_step(**d, state_pool=pool, state_slots=slots, use_qk_l2norm=True,
-                                      step_config={"PDL": pdl}) for d in steps]
+        return [gdn_bench.gdn_recurrent_step(**d, state_pool=pool, state_slots=slots, use_qk_l2norm=True,
+                                             config={"PDL": pdl}) for d in steps]
 
     assert recurrent._use_pdl(pool0.device, {"PDL": True}) == (torch.cuda.get_device_capability()[0] >= 9)
     want_pool = pool0.clone()

@@ -115,7 +115,7 @@ def test_one_token_decode_path(shape, monkeypatch):
     (QWEN35_MOE_DECODE=0), bf16 and fp32; PDL changes no bit, another launch shape only the rounding; the expert map
     drops the picks held elsewhere; reruns are bit-identical."""
     from kernels_triton import moe
-    from kernels_triton.moe import decode
+    from kernels_triton.moe import decode, pdl
 
     E, k, H, I = SHAPES[shape]
     for dtype, tol in ((torch.bfloat16, TOL[torch.bfloat16]), (torch.float32, 1e-4)):
@@ -135,7 +135,7 @@ def test_one_token_decode_path(shape, monkeypatch):
     args = (x, w["router_weight"], w["w13"], w["w2"], k, True, w["shared_w13"], w["shared_w2"],
             w["shared_gate_weight"], None)
     want = decode.moe_block_one_token(*args, pdl=False)
-    assert torch.equal(decode.moe_block_one_token(*args, pdl=decode._pdl.enabled(x)), want), "PDL changed bits"
+    assert torch.equal(decode.moe_block_one_token(*args, pdl=pdl.enabled(x)), want), "PDL changed bits"
     wide = decode.DecodeConfig(UP_N=4, UP_K=256, UP_WARPS=4, DOWN_N=16, DOWN_K=32, DOWN_WARPS=4)
     assert rel_err(decode.moe_block_one_token(*args, cfg=wide), want.float()) <= 2e-3, "another launch shape"
     # the down launch loading its weights before its PDL wait (DOWN_EARLY): the loop kernel's values; the same bits
@@ -214,10 +214,9 @@ def test_block_captures_in_a_cuda_graph(M, counter_in_capture):
 
 
 @pytest.mark.parametrize("M", [1, 17, 1024])
-def test_direct_launch_matches_the_binder_path(M, monkeypatch):
+def test_direct_launch_matches_the_binder_path(M):
     """Launches that skip Triton's argument binding (a cache hit) give the same bits as ordinary launches."""
-    from kernels_triton import _launch as launch
-    from kernels_triton import moe
+    from kernels_triton import bench_api, moe
     from kernels_triton.moe import decode, experts
 
     E, k, H, _ = SHAPES["E512k10"]
@@ -228,9 +227,8 @@ def test_direct_launch_matches_the_binder_path(M, monkeypatch):
     hits = launcher.hits
     direct = moe.moe_block(x, top_k=k, **w)
     assert launcher.hits > hits, "the second call did not take the direct path"
-    monkeypatch.setattr(launch, "ENABLED", False)
-    assert torch.equal(direct, moe.moe_block(x, top_k=k, **w))
-    monkeypatch.setattr(launch, "ENABLED", True)
+    with bench_api.jit_launches():
+        assert torch.equal(direct, moe.moe_block(x, top_k=k, **w))
     # the same tokens at an address 2 bytes past alignment: its own kernels (not the aligned ones), same result
     unaligned = torch.empty(M * H + 1, dtype=x.dtype, device=x.device)[1:].view(M, H).copy_(x)
     for _ in range(2):  # the second call is a direct hit on the unaligned kernels
@@ -276,10 +274,11 @@ def test_programmatic_dependent_launch_gives_the_same_bits(M, shape, monkeypatch
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("M,pdl_env", [(2, ""), (16, ""), (32, ""), (1024, "1")])
 def test_block_wait_gives_the_same_bits(M, pdl_env, shape, monkeypatch):
-    """The down launch waiting block by block on counters the gate_up launch signals (the default with PDL) against
-    waiting for the whole gate_up launch (QWEN35_MOE_BLOCK_WAIT=0): the same bits over 16 inputs back to back (a
-    read of an ``h`` tile before its block is complete would show), with and without the shared expert, and from a
-    CUDA graph replayed; every counter zero afterwards."""
+    """The down launch waiting block by block on counters the gate_up launch signals (the default with PDL up to
+    experts.BLOCK_WAIT_MAX_TOKENS tokens, here at every size) against waiting for the whole gate_up launch (the rule's
+    reach set to 0): the same bits over 16 inputs back to back (a read of an ``h`` tile before its block is complete
+    would show), with and without the shared expert, and from a CUDA graph replayed; every counter zero
+    afterwards."""
     from kernels_triton import moe
     from kernels_triton._arrival import block_counters
     from kernels_triton.moe import experts, pdl
@@ -288,11 +287,11 @@ def test_block_wait_gives_the_same_bits(M, pdl_env, shape, monkeypatch):
     w = _weights(shape, torch.bfloat16)
     xs = [_x(M, H, torch.bfloat16, seed=60 + i) for i in range(16)]
     monkeypatch.setenv(pdl.ENV, pdl_env)
-    monkeypatch.setenv(experts.BLOCK_WAIT_ENV, "0")
+    monkeypatch.setattr(experts, "BLOCK_WAIT_MAX_TOKENS", 0)
     want = [moe.moe_block(x, top_k=k, **w) for x in xs]
     no_shared = dict(w, shared_w13=None, shared_w2=None, shared_gate_weight=None)
     want_routed = [moe.moe_block(x, top_k=k, **no_shared) for x in xs[:4]]
-    monkeypatch.setenv(experts.BLOCK_WAIT_ENV, "1")
+    monkeypatch.setattr(experts, "BLOCK_WAIT_MAX_TOKENS", 1 << 30)
     for _ in range(2):
         got = [moe.moe_block(x, top_k=k, **w) for x in xs]
         assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True)), "block wait changed the output"
