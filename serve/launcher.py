@@ -89,9 +89,9 @@ EMBEDDED_DEFAULTS: dict[str, object] = {
 
 # Scheduling on a CPU host: an engine step computes at most 512 tokens (vLLM's CPU default is
 # 2048), and one request's prefill at most 256 of them while others run, so long prompts are
-# prefilled in short steps beside the decoding streams. Embedded model, concurrency 16, 2 shared
-# cores: token gap p99 127 ms / max 168 ms against 197-213 / 484-682 ms with vLLM's defaults
-# (tuning/notes_serve.md).
+# prefilled in short steps beside the decoding streams and the longest step is bounded. Embedded
+# model, concurrency 16, 2 shared cores: token gap p99 107-139 ms against 197-213 ms with vLLM's
+# defaults at moderate load, no difference at load 8-10 (tuning/notes_serve.md).
 CPU_SCHEDULING: dict[str, object] = {
     "max_num_batched_tokens": 512,
     "long_prefill_token_threshold": 256,
