@@ -23,7 +23,7 @@
 # every route needs it but /health, /ping, /version and /metrics (`public_metrics: false` closes
 # /metrics); vLLM's admin routes answer 404 unless the config sets `admin_routes: true`.
 #
-# The vLLM minor version of the base image must be in qwen35's supported range (0.32.x).
+# The base image's vLLM must be in qwen35's supported range, >=0.26,<0.33 (qwen35/vllm_adapter.py checks it at import).
 ARG BASE_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${BASE_IMAGE}
 
