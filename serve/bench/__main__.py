@@ -105,7 +105,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         print(f"report written to {args.json}")
-    return 0 if summary["succeeded"] and not summary["failed"] else 1
+    return 0 if summary["succeeded"] else 1
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
