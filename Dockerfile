@@ -7,10 +7,21 @@
 #   # the embedded tiny model (no config, no weights): try the API
 #   docker run --rm -p 8000:8000 qwen35-serve
 #   # a real model: mount the weights and a YAML config (keys mirror vLLM's options)
-#   docker run --rm --gpus all --ipc=host -p 8000:8000 -e VLLM_API_KEY=... \
+#   docker run -d --restart on-failure --gpus all --ipc=host -p 8000:8000 -e VLLM_API_KEY=... \
 #       -v /models:/models:ro -v $PWD/serve/configs/qwen35-27b-tp4.yaml:/etc/qwen35/config.yaml:ro \
 #       qwen35-serve
 #   # overrides after the image name win over the file: ... qwen35-serve /etc/qwen35/config.yaml --port 9000
+#
+# Restart policy: qwen35-serve exits with status 3 when its engine dies (an EngineCore crash) and
+# with 0 after an ordinary stop (docker stop, SIGTERM), so run it with `--restart on-failure` (or
+# `unless-stopped`; a Kubernetes pod's restartPolicy Always does the same): a dead engine then
+# comes back by itself instead of answering 503. Config errors exit 2 and do not heal by restarts.
+#
+# API key: pass it in the environment (-e VLLM_API_KEY=...) or as a mounted file named by
+# `api_key_file:` in the config (-v /secrets/qwen35.key:/run/secrets/qwen35.key:ro), never as
+# --api-key after the image name: a command line is visible to every user of the host. With a key,
+# every route needs it but /health, /ping, /version and /metrics (`public_metrics: false` closes
+# /metrics); vLLM's admin routes answer 404 unless the config sets `admin_routes: true`.
 #
 # The base image's vLLM must be in qwen35's supported range, >=0.26,<0.33 (qwen35/vllm_adapter.py checks it at import).
 ARG BASE_IMAGE=vllm/vllm-openai:v0.32.0

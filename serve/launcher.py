@@ -6,12 +6,21 @@ Every key of `serve.config.OPTIONS` is also a command-line override (`--max-mode
 `--enforce-eager` / `--no-enforce-eager`); overrides win over the file. What it does:
 
 1. checks the config (unknown keys, wrong types: exit 2 with a message, before anything heavy);
-2. with no model, builds once (cached on disk) the embedded tiny Qwen3.5 checkpoint and serves it;
+2. with no model, builds once (cached on disk) the embedded tiny Qwen3.5 checkpoint and serves it,
+   with thinking off unless a request asks for it (a random-weight model never ends its thinking);
 3. fills unset keys with Qwen3.5's serving defaults and, on a CPU host, the CPU engine's settings
-   (eager mode, a KV cache size, thread binding for tensor parallelism);
-4. hands the result to vLLM's own argument parser and `vllm serve` code path, with
+   (eager mode, a KV cache size, scheduling that keeps token gaps short, thread binding for
+   tensor parallelism);
+4. reads the API key(s): `api_key` (config or `--api-key`, which prints a WARNING: a command line
+   is visible to every user of the host), else the file named by `api_key_file`, else vLLM's
+   `VLLM_API_KEY` environment variable; keys are never logged or printed;
+5. hands the result to vLLM's own argument parser and `vllm serve` code path, with
    `serve.middleware.RequestCompatMiddleware` added to the app. The model class comes from our
    vLLM plugin (entry point `vllm.general_plugins: qwen35`), which logs the kernel probe once.
+
+Exit status: 0 after an ordinary stop (SIGTERM, SIGINT), 2 for a config error, and
+`serve.lifecycle.ENGINE_DEAD_STATUS` (3) when the engine died while serving, so that a restart
+policy (Docker's `--restart on-failure`, systemd's `Restart=on-failure`) brings the server back.
 
 `--dry-run` prints the resolved settings and vLLM's arguments as JSON and exits.
 
@@ -38,17 +47,34 @@ from serve.config import (
     ConfigError,
     check_value,
     load_file,
+    read_key_file,
     resolve,
     vllm_argv,
 )
 
 MIDDLEWARE = "serve.middleware.RequestCompatMiddleware"
-COMPAT_KEYS = ("max_n", "thinking_off_with_tools", "text_only", "max_request_bytes")
+COMPAT_KEYS = (
+    "max_n",
+    "thinking_off_with_tools",
+    "text_only",
+    "max_request_bytes",
+    "admin_routes",
+    "public_metrics",
+    "tool_string_max_chars",
+    "max_tool_calls",
+)
 CPU_KV_CACHE = "4G"
+COMMAND_LINE_KEY_WARNING = (
+    "qwen35-serve: WARNING: the API key given with --api-key is visible to every user of this host (ps, "
+    "/proc/<pid>/cmdline) and stays in shell history; name a file holding it with api_key_file in the config, "
+    "or set the VLLM_API_KEY environment variable"
+)
 
 # The embedded model is a random toy: compact JSON under grammars (it would pad with whitespace
-# forever), float32 (bf16 logits tie at the top, which makes greedy and top_k=1 disagree), and a
-# small KV cache on any host.
+# forever), float32 (bf16 logits tie at the top, which makes greedy and top_k=1 disagree), a
+# small KV cache on any host, thinking off unless asked for (it would never close its thinking,
+# so a plain chat would return no content), and short strings and few calls in constrained tool
+# calls (it would never close a string, and would chain calls until max_tokens).
 EMBEDDED_DEFAULTS: dict[str, object] = {
     "served_model_name": "qwen35-tiny",
     "dtype": "float32",
@@ -56,6 +82,19 @@ EMBEDDED_DEFAULTS: dict[str, object] = {
     "kv_cache_memory_bytes": "1G",
     "enable_prefix_caching": True,
     "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True},
+    "default_chat_template_kwargs": {"enable_thinking": False},
+    "tool_string_max_chars": 16,
+    "max_tool_calls": 4,
+}
+
+# Scheduling on a CPU host: an engine step computes at most 512 tokens (vLLM's CPU default is
+# 2048), and one request's prefill at most 256 of them while others run, so long prompts are
+# prefilled in short steps beside the decoding streams and the longest step is bounded. Embedded
+# model, concurrency 16, 2 shared cores: token gap p99 107-139 ms against 197-213 ms with vLLM's
+# defaults at moderate load, no difference at load 8-10 (tuning/notes_serve.md).
+CPU_SCHEDULING: dict[str, object] = {
+    "max_num_batched_tokens": 512,
+    "long_prefill_token_threshold": 256,
 }
 
 log = logging.getLogger("vllm.qwen35.serve")
@@ -124,10 +163,11 @@ def cpu_defaults(settings: dict) -> tuple[dict, dict[str, str]]:
     """Settings and environment the CPU engine needs, for keys the user left unset.
 
     Eager mode (torch.compile costs most of a CPU start-up), a fixed KV cache size (the CPU engine
-    otherwise takes a share of the machine's memory), and, for tensor parallelism, the cores each
-    rank binds its OpenMP threads to (vLLM's 'auto' needs one NUMA node per rank).
+    otherwise takes a share of the machine's memory), `CPU_SCHEDULING`, and, for tensor
+    parallelism, the cores each rank binds its OpenMP threads to (vLLM's 'auto' needs one NUMA node
+    per rank).
     """
-    layer: dict = {"enforce_eager": True}
+    layer: dict = {"enforce_eager": True, **CPU_SCHEDULING}
     env: dict[str, str] = {}
     if "kv_cache_memory_bytes" not in settings and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
         layer["kv_cache_memory_bytes"] = CPU_KV_CACHE
@@ -162,6 +202,11 @@ def plan(file_settings: dict, overrides: dict, cpu: bool | None = None) -> tuple
         layers.append(host)
     settings = resolve(*layers, user)
     settings["middleware"] = [m for m in _as_list(settings.get("middleware")) if m != MIDDLEWARE] + [MIDDLEWARE]
+    if "api_key" not in settings and "api_key_file" in settings:
+        settings["api_key"] = read_key_file(settings["api_key_file"])
+    if settings.get("admin_routes") and "api_key" not in settings and not os.environ.get("VLLM_API_KEY"):
+        raise ConfigError("admin_routes: true needs an API key (api_key_file, the VLLM_API_KEY environment variable, "
+                          "or api_key): the admin routes change the server's state")  # fmt: skip
     return settings, env
 
 
@@ -199,8 +244,12 @@ def serve(settings: dict, extra_vllm_args: list[str], env: dict[str, str]) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from serve import lifecycle
+
     ours, extra = split_argv(sys.argv[1:] if argv is None else argv)
     ns = build_parser().parse_args(ours)
+    if ns.api_key is not None:
+        print(COMMAND_LINE_KEY_WARNING, file=sys.stderr)
     try:
         file_settings = load_file(ns.config) if ns.config else {}
         overrides = {name: parse_override(name, getattr(ns, name)) for name in OPTIONS
@@ -214,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "vllm_args": vllm_argv(shown(settings)) + extra}, indent=2))  # fmt: skip
         return 0
     serve(settings, extra, env)
-    return 0
+    return lifecycle.ENGINE_DEAD_STATUS if lifecycle.engine_died() else 0
 
 
 if __name__ == "__main__":

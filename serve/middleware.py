@@ -1,32 +1,32 @@
-"""Request compatibility for vLLM's OpenAI server, as pure ASGI middleware.
+"""Deny-by-default access and request checks for vLLM's OpenAI server, as pure ASGI middleware.
 
 `qwen35-serve` adds :class:`RequestCompatMiddleware` to vLLM's app through vLLM's `--middleware`
 option, which makes it the outermost user middleware: it sees every request before vLLM's own
-middleware and routes, and every response on its way out. It
+middleware and routes, and every response on its way out. For each HTTP request it
 
-- checks the API key first (vLLM's rule: bearer token, paths under `/v1`, `/v2`, `/inference`,
-  `/cohere`), answering 401 with an OpenAI error object where vLLM's middleware answers
-  `{"error": "Unauthorized"}`;
-- reads the JSON body of chat/completion requests (at most `max_request_bytes`, else 413) and
-  answers 400 naming the field for what the engine should never see: malformed or non-standard JSON
-  (`NaN`, nesting deeper than the parser's limit), wrong JSON types for the standard fields (vLLM's
-  parser would coerce `"2"` to 2), `n` or `best_of` above the configured maximum, empty
-  `messages`, unknown roles, tool messages without `tool_call_id`, malformed tool definitions and
-  JSON Schemas, and image/audio/video parts when the served model takes text only;
-- translates the thinking switches clients send: `thinking: {"type": "enabled" | "disabled"}`
-  (Anthropic style; `budget_tokens` is accepted and ignored) and a top-level `enable_thinking`
-  (Qwen style) become `chat_template_kwargs.enable_thinking`; with `thinking_off_with_tools`, a
-  request that offers tools with `tool_choice` auto and does not ask for thinking gets it off;
+- finds the app route the path belongs to and its class in `serve.routes` (the table is logged
+  at start-up): switched-off routes and admin routes (unless `admin_routes`) answer 404;
+- checks the API key on every route but the open ones (`/health`, `/ping`, `/version`, and
+  `/metrics` unless `public_metrics` is false): a bearer token, compared in constant time,
+  answering 401 with an OpenAI error object; CORS preflights (OPTIONS) pass;
+- on the routes that reach the engine, reads the JSON body (at most `max_request_bytes`, else 413)
+  and runs that route's checks (`serve.checks`): malformed or non-standard JSON (`NaN`, nesting
+  deeper than the parser's limit), the route's vLLM request model in strict mode, and our policy,
+  each answered 400 naming the field before the engine sees anything;
 - drops `delta.content` from streamed replies with a forced tool choice (`required` or a named
   function): the grammar allows nothing but tool calls there, and vLLM's streaming Qwen3 parser
-  lets the `<tool_call>` markup through as text when a model spells it with ordinary tokens
-  (the non-streamed reply has content ``""``);
+  lets the `<tool_call>` markup through as text when a model spells it with ordinary tokens;
 - rewrites every other error body that is not an OpenAI error object (FastAPI's `{"detail": ...}`,
   a plain-text 500) into `{"error": {"message", "type", "param", "code"}}`.
 
+Websocket connections get the same route classes and key check (a refused one is closed with
+code 1008). On the app's lifespan start-up it logs the route table, installs our tool-call grammar
+builder (`serve.toolcalls`) and starts the engine watch (`serve.lifecycle`).
+
 Settings come from `CompatSettings` passed to the constructor, else from the attribute
-`qwen35_compat` (a dict) of vLLM's parsed arguments (`app.state.args`), else the defaults. Nothing
-here imports vLLM; what it needs from vLLM's app state it reads by attribute.
+`qwen35_compat` (a dict) of vLLM's parsed arguments (`app.state.args`), else the defaults. The API
+keys are the configured ones, else vLLM's `--api-key`, else `VLLM_API_KEY`. Nothing here imports
+vLLM; what it needs from vLLM's app state it reads by attribute.
 """
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ import hmac
 import json
 import logging
 import os
-import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
+
+from serve import lifecycle, routes, toolcalls
+from serve.checks import Policy, RequestError, check_request, checked_templates, parse_json
 
 log = logging.getLogger("vllm.qwen35.serve")
 
@@ -48,14 +50,6 @@ Receive = Callable[[], Awaitable[Message]]
 Send = Callable[[Message], Awaitable[None]]
 
 SETTINGS_ATTR = "qwen35_compat"
-GUARDED_PREFIXES = ("/v1", "/v2", "/inference", "/cohere")
-CHAT_PATH, COMPLETIONS_PATH, TOKENIZE_PATH = "/v1/chat/completions", "/v1/completions", "/tokenize"
-ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-MEDIA_PARTS = ("image_url", "input_image", "image", "image_pil", "image_embeds", "input_audio", "audio_url",
-               "audio", "video_url", "video", "file", "input_file")  # fmt: skip
-JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
-TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-MAX_SCHEMA_DEPTH = 64
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
                404: "NotFoundError", 405: "MethodNotAllowedError", 413: "RequestTooLargeError",
                422: "UnprocessableEntityError", 429: "RateLimitError", 500: "InternalServerError",
@@ -68,20 +62,16 @@ class CompatSettings:
     thinking_off_with_tools: bool = False
     text_only: bool | None = None  # None: ask vLLM's model config
     max_request_bytes: int = 32 * 1024 * 1024
+    admin_routes: bool = False
+    public_metrics: bool = True
+    tool_string_max_chars: int | None = None
+    max_tool_calls: int | None = 8
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: read vLLM's args / VLLM_API_KEY
 
     @classmethod
     def from_mapping(cls, values: dict) -> CompatSettings:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in values.items() if k in known and v is not None})
-
-
-class RequestError(Exception):
-    """A request refused before it reaches vLLM."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
-        super().__init__(message)
-        self.message, self.param, self.status = message, param, status
 
 
 def error_body(status: int, message: str, param: str | None = None) -> bytes:
@@ -94,296 +84,6 @@ async def send_error(send: Send, status: int, message: str, param: str | None = 
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-# -- request checks ------------------------------------------------------------------------------
-
-
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _is_number(v: object) -> bool:
-    return _is_int(v) or isinstance(v, float)
-
-
-_TYPES: dict[str, tuple[str, Callable[[object], bool]]] = {
-    "str": ("a string", lambda v: isinstance(v, str)),
-    "int": ("an integer", _is_int),
-    "number": ("a number", _is_number),
-    "bool": ("a boolean", lambda v: isinstance(v, bool)),
-    "object": ("an object", lambda v: isinstance(v, dict)),
-    "list": ("an array", lambda v: isinstance(v, list)),
-    "stop": ("a string or an array of strings",
-             lambda v: isinstance(v, str) or isinstance(v, list) and all(isinstance(s, str) for s in v)),
-    "tool_choice": ("a string or an object", lambda v: isinstance(v, (str, dict))),
-}  # fmt: skip
-SAMPLING_FIELDS = {
-    "model": "str", "n": "int", "best_of": "int", "max_tokens": "int", "max_completion_tokens": "int",
-    "min_tokens": "int", "temperature": "number", "top_p": "number", "top_k": "int", "min_p": "number",
-    "presence_penalty": "number", "frequency_penalty": "number", "repetition_penalty": "number", "seed": "int",
-    "stream": "bool", "stream_options": "object", "stop": "stop", "user": "str", "logit_bias": "object",
-    "ignore_eos": "bool",
-}  # fmt: skip
-CHAT_FIELDS = {
-    **SAMPLING_FIELDS, "messages": "list", "logprobs": "bool", "top_logprobs": "int", "tools": "list",
-    "tool_choice": "tool_choice", "parallel_tool_calls": "bool", "response_format": "object",
-    "chat_template_kwargs": "object", "enable_thinking": "bool", "thinking": "object",
-}  # fmt: skip
-COMPLETION_FIELDS = {**SAMPLING_FIELDS, "logprobs": "int", "echo": "bool", "suffix": "str"}
-
-
-def check_types(body: dict, table: dict[str, str]) -> None:
-    """Standard fields must have their JSON type (null means absent)."""
-    for name, kind in table.items():
-        value = body.get(name)
-        if value is None:
-            continue
-        label, test = _TYPES[kind]
-        if not test(value):
-            raise RequestError(f"{name} must be {label}, got {json.dumps(value)[:80]}", name)
-
-
-def check_n(body: dict, max_n: int) -> None:
-    for name in ("n", "best_of"):
-        n = body.get(name)
-        if n is not None and n > max_n:
-            raise RequestError(f"{name}={n} is above this server's maximum of {max_n}", name)
-
-
-def check_prompt(body: dict) -> None:
-    prompt = body.get("prompt")
-    if prompt is None:
-        return  # prompt_embeds, or vLLM's own message
-    ok = (
-        isinstance(prompt, str)
-        or isinstance(prompt, list)
-        and (
-            all(isinstance(p, str) for p in prompt)
-            or all(_is_int(t) for t in prompt)
-            or all(isinstance(p, list) and all(_is_int(t) for t in p) for p in prompt)
-        )
-    )
-    if not ok:
-        raise RequestError("prompt must be a string, an array of strings, or token ids (an array of integers "
-                           "or of integer arrays)", "prompt")  # fmt: skip
-
-
-def check_messages(messages: list, text_only: bool, model_name: str) -> None:
-    if not messages:
-        raise RequestError("messages must contain at least one message", "messages")
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError(f"{where} must be an object with a role, got {json.dumps(message)[:60]}", where)
-        role = message.get("role")
-        if role not in ROLES:
-            raise RequestError(f"{where}.role: {json.dumps(role)[:40]} is not one of {', '.join(ROLES)}",
-                               f"{where}.role")  # fmt: skip
-        content = message.get("content")
-        if content is None and role in ("system", "developer", "user", "tool"):
-            raise RequestError(f"{where}.content is required for a {role} message", f"{where}.content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise RequestError(f"{where}.content must be a string or an array of content parts, got "
-                               f"{json.dumps(content)[:60]}", f"{where}.content")  # fmt: skip
-        for j, part in enumerate(content if isinstance(content, list) else []):
-            part_type = part.get("type") if isinstance(part, dict) else None
-            if not isinstance(part_type, str):
-                raise RequestError(f"{where}.content[{j}] must be an object with a type", f"{where}.content[{j}]")
-            if text_only and part_type in MEDIA_PARTS:
-                raise RequestError(
-                    f"{where}.content[{j}]: this server's model ({model_name}) takes text only, so "
-                    f"'{part_type}' parts are not accepted; send the content as text",
-                    f"{where}.content[{j}].type",
-                )
-        if role == "tool" and not isinstance(message.get("tool_call_id"), str):
-            raise RequestError(f"{where}.tool_call_id: a tool message needs the id of the call it answers",
-                               f"{where}.tool_call_id")  # fmt: skip
-        calls = message.get("tool_calls")
-        if calls is not None and not isinstance(calls, list):
-            raise RequestError(f"{where}.tool_calls must be an array", f"{where}.tool_calls")
-
-
-def check_tools(tools: list, tool_choice: object) -> None:
-    for i, tool in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(tool, dict) or tool.get("type", "function") != "function":
-            raise RequestError(f"{where} must be an object with type 'function'", where)
-        function = tool.get("function")
-        if not isinstance(function, dict):
-            raise RequestError(f"{where}.function must be an object with a name", f"{where}.function")
-        name = function.get("name")
-        if not isinstance(name, str) or not TOOL_NAME.match(name):
-            raise RequestError(f"{where}.function.name must be 1-64 letters, digits, '_', '-', '.' or ':', got "
-                               f"{json.dumps(name)[:70]}", f"{where}.function.name")  # fmt: skip
-        for key, kind in (("description", str), ("strict", bool)):
-            if function.get(key) is not None and not isinstance(function[key], kind):
-                raise RequestError(f"{where}.function.{key} must be a {kind.__name__}", f"{where}.function.{key}")
-        parameters = function.get("parameters")
-        if parameters is None:
-            continue
-        path = f"{where}.function.parameters"
-        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
-            raise RequestError(f"{path} must be a JSON Schema of type 'object'", path)
-        check_schema(parameters, path)
-    if isinstance(tool_choice, str) and tool_choice not in ("none", "auto", "required"):
-        raise RequestError(f"tool_choice must be 'none', 'auto', 'required' or a function, got '{tool_choice}'",
-                           "tool_choice")  # fmt: skip
-    if isinstance(tool_choice, dict):
-        function = tool_choice.get("function")
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise RequestError("tool_choice: expected {'type': 'function', 'function': {'name': ...}}", "tool_choice")
-
-
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMA_ONE = ("not", "if", "then", "else", "contains", "propertyNames", "additionalProperties",
-               "additionalItems", "unevaluatedProperties", "unevaluatedItems")  # fmt: skip
-_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties", "minContains",
-           "maxContains")  # fmt: skip
-
-
-def check_schema(schema: object, path: str, depth: int = 0) -> None:
-    """Structural check of a JSON Schema (the keywords grammar compilers read); raises RequestError."""
-    if isinstance(schema, bool):
-        return
-    if depth > MAX_SCHEMA_DEPTH:
-        raise RequestError(f"{path}: schema nested deeper than {MAX_SCHEMA_DEPTH} levels", path)
-    if not isinstance(schema, dict):
-        raise RequestError(f"{path}: a schema must be an object or a boolean, got {json.dumps(schema)[:60]}", path)
-
-    def bad(key: str, expected: str) -> RequestError:
-        return RequestError(f"{path}.{key}: expected {expected}, got {json.dumps(schema[key])[:60]}", f"{path}.{key}")
-
-    kind = schema.get("type")
-    if kind is not None:
-        kinds = kind if isinstance(kind, list) else [kind]
-        if not kinds or not all(isinstance(k, str) and k in JSON_TYPES for k in kinds):
-            raise bad("type", f"one of {', '.join(JSON_TYPES)} (or an array of them)")
-    for key in _SCHEMA_MAPS:
-        if key in schema:
-            if not isinstance(schema[key], dict):
-                raise bad(key, "an object of schemas")
-            for name, sub in schema[key].items():
-                check_schema(sub, f"{path}.{key}.{name}", depth + 1)
-    for key in _SCHEMA_LISTS:
-        if key in schema:
-            if not isinstance(schema[key], list) or not schema[key]:
-                raise bad(key, "a non-empty array of schemas")
-            for i, sub in enumerate(schema[key]):
-                check_schema(sub, f"{path}.{key}[{i}]", depth + 1)
-    for key in _SCHEMA_ONE:
-        if key in schema:
-            check_schema(schema[key], f"{path}.{key}", depth + 1)
-    if "items" in schema:
-        items = schema["items"]
-        for i, sub in enumerate(items) if isinstance(items, list) else [(None, items)]:
-            check_schema(sub, f"{path}.items" + ("" if i is None else f"[{i}]"), depth + 1)
-    if "required" in schema and not (
-        isinstance(schema["required"], list) and all(isinstance(r, str) for r in schema["required"])
-    ):
-        raise bad("required", "an array of property names")
-    if "enum" in schema and not isinstance(schema["enum"], list):
-        raise bad("enum", "an array")
-    for key in _COUNTS:
-        if key in schema and not (_is_int(schema[key]) and schema[key] >= 0):
-            raise bad(key, "a non-negative integer")
-    for key in ("minimum", "maximum", "multipleOf"):
-        if key in schema and not _is_number(schema[key]):
-            raise bad(key, "a number")
-    for key in ("pattern", "$ref", "format"):
-        if key in schema and not isinstance(schema[key], str):
-            raise bad(key, "a string")
-
-
-def thinking_switch(body: dict) -> bool | None:
-    """The client's thinking request from any of the three spellings (None: not asked); removes the two
-    that vLLM does not know. Spellings that disagree are an error."""
-    asked: dict[str, bool] = {}
-    kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise RequestError("chat_template_kwargs must be an object", "chat_template_kwargs")
-    if "enable_thinking" in kwargs:
-        if not isinstance(kwargs["enable_thinking"], bool):
-            raise RequestError("chat_template_kwargs.enable_thinking must be a boolean",
-                               "chat_template_kwargs.enable_thinking")  # fmt: skip
-        asked["chat_template_kwargs.enable_thinking"] = kwargs["enable_thinking"]
-    thinking = body.pop("thinking", None)
-    if thinking is not None:
-        kind = thinking.get("type") if isinstance(thinking, dict) else None
-        if kind not in ("enabled", "disabled"):
-            raise RequestError(f"thinking.type must be 'enabled' or 'disabled', got {json.dumps(kind)[:40]}",
-                               "thinking.type")  # fmt: skip
-        asked["thinking.type"] = kind == "enabled"
-    enable = body.pop("enable_thinking", None)
-    if enable is not None:
-        if not isinstance(enable, bool):
-            raise RequestError("enable_thinking must be a boolean", "enable_thinking")
-        asked["enable_thinking"] = enable
-    if len(set(asked.values())) > 1:
-        spelled = ", ".join(f"{k}={v}" for k, v in asked.items())
-        raise RequestError(f"conflicting thinking switches: {spelled}", next(iter(asked)))
-    return next(iter(asked.values())) if asked else None
-
-
-@dataclass
-class Rewrite:
-    body: dict
-    changed: bool = False
-    strip_streamed_content: bool = False
-
-
-def rewrite_chat(body: dict, settings: CompatSettings, text_only: bool, model_name: str) -> Rewrite:
-    check_types(body, CHAT_FIELDS)
-    check_n(body, settings.max_n)
-    if "messages" not in body:
-        raise RequestError("messages is required", "messages")
-    check_messages(body["messages"], text_only, model_name)
-    tools, tool_choice = body.get("tools") or [], body.get("tool_choice")
-    check_tools(tools, tool_choice)
-    result = Rewrite(body)
-    had_spellings = "thinking" in body or "enable_thinking" in body
-    enable = thinking_switch(body)
-    if enable is None and settings.thinking_off_with_tools and tools and tool_choice in (None, "auto"):
-        enable = False
-    if enable is not None:
-        kwargs = body.get("chat_template_kwargs") or {}
-        if kwargs.get("enable_thinking") is not enable:
-            body["chat_template_kwargs"] = {**kwargs, "enable_thinking": enable}
-            result.changed = True
-    result.changed |= had_spellings
-    forced = tool_choice == "required" or isinstance(tool_choice, dict)
-    result.strip_streamed_content = bool(body.get("stream") and tools and forced)
-    return result
-
-
-def rewrite_completion(body: dict, settings: CompatSettings) -> Rewrite:
-    check_types(body, COMPLETION_FIELDS)
-    check_n(body, settings.max_n)
-    check_prompt(body)
-    return Rewrite(body)
-
-
-def rewrite_tokenize(body: dict) -> Rewrite:
-    had_spellings = "thinking" in body or "enable_thinking" in body
-    enable = thinking_switch(body) if "messages" in body else None
-    if enable is not None:
-        body["chat_template_kwargs"] = {**(body.get("chat_template_kwargs") or {}), "enable_thinking": enable}
-    return Rewrite(body, changed=had_spellings)
-
-
-def parse_json(raw: bytes) -> object:
-    def no_constants(name: str) -> None:
-        raise ValueError(f"{name} is not valid JSON")
-
-    try:
-        return json.loads(raw, parse_constant=no_constants)
-    except RecursionError:
-        raise RequestError("request body is nested too deeply") from None
-    except UnicodeDecodeError:
-        raise RequestError("request body is not valid UTF-8") from None
-    except ValueError as e:
-        raise RequestError(f"request body is not valid JSON: {e}") from None
 
 
 # -- response rewriting --------------------------------------------------------------------------
@@ -430,8 +130,9 @@ class _ErrorBodies:
             raw = b"".join(self.chunks)
             body = openai_error(start["status"], raw)
             if body is not None:
-                headers = [(k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length",
-                                                                                           b"content-type")]
+                headers = [
+                    (k, v) for k, v in start.get("headers", []) if k.lower() not in (b"content-length", b"content-type")
+                ]
                 headers += [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
                 start = {**start, "headers": headers}
             await self.send(start)
@@ -489,19 +190,39 @@ class _StripStreamedContent:
 # -- the middleware ------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class _Resolved:
+    settings: CompatSettings
+    key_hashes: list[bytes]
+    policy: Policy
+    models: dict[str, object]
+    """The pydantic request model of each checked route template, from the app's routes."""
+
+
+def _request_models(app: object) -> dict[str, object]:
+    models: dict[str, object] = {}
+    for route in getattr(app, "routes", None) or []:
+        body_field = getattr(route, "body_field", None)
+        path = getattr(route, "path", None)
+        if body_field is not None and path not in models and "POST" in (getattr(route, "methods", None) or ()):
+            models[path] = body_field.field_info.annotation
+    return models
+
+
 class RequestCompatMiddleware:
     """See the module docstring. `settings=None`: read from vLLM's args on the first request."""
 
     def __init__(self, app, settings: CompatSettings | None = None) -> None:
         self.app = app
         self._settings = settings
-        self._resolved: tuple[CompatSettings, list[bytes], bool, str] | None = None
+        self._resolved: _Resolved | None = None
 
-    def _resolve(self, scope: Scope) -> tuple[CompatSettings, list[bytes], bool, str]:
-        """(settings, sha256 of accepted keys, text only, model name), read once from the app's state."""
+    def _resolve(self, scope: Scope) -> _Resolved:
+        """Settings, key digests, request policy and request models, read once from the app's state."""
         if self._resolved is not None:
             return self._resolved
-        state = getattr(scope.get("app"), "state", None)
+        app = scope.get("app")
+        state = getattr(app, "state", None)
         args = getattr(state, "args", None)
         settings = self._settings or CompatSettings.from_mapping(getattr(args, SETTINGS_ATTR, None) or {})
         keys = list(settings.api_keys) or list(getattr(args, "api_key", None) or [])
@@ -512,35 +233,47 @@ class RequestCompatMiddleware:
         text_only = settings.text_only
         if text_only is None:
             text_only = model_config is not None and not getattr(model_config, "is_multimodal_model", True)
-        resolved = (settings, [hashlib.sha256(k.encode()).digest() for k in keys], text_only, names[0])
+        policy = Policy(max_n=settings.max_n, text_only=text_only, model_name=names[0],
+                        max_model_len=getattr(model_config, "max_model_len", None),
+                        thinking_off_with_tools=settings.thinking_off_with_tools,
+                        max_tool_calls=settings.max_tool_calls)  # fmt: skip
+        resolved = _Resolved(settings, [hashlib.sha256(k.encode()).digest() for k in keys], policy,
+                             _request_models(app))  # fmt: skip
         if state is None or getattr(state, "vllm_config", None) is not None or self._settings is not None:
             self._resolved = resolved  # cache once vLLM's state is complete
         return resolved
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] == "lifespan":
+            await self.app(scope, self._lifespan(scope, receive), send)
+            return
+        if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)
             return
-        settings, key_hashes, text_only, model_name = self._resolve(scope)
+        resolved = self._resolve(scope)
+        settings = resolved.settings
+        route, template = routes.match(scope.get("app"), scope)
+        kind = routes.kind_of(template)
+        refusal = self._refusal(scope, kind, template, resolved)
+        if refusal is not None:
+            status, message = refusal
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+            else:
+                await send_error(_ErrorBodies(send), status, message)
+            return
+        if scope["type"] == "websocket":
+            await self.app(scope, receive, send)
+            return
         send = errors = _ErrorBodies(send)
-        path = scope["path"].removeprefix(scope.get("root_path", "") or "")
         method = scope.get("method", "GET")
-        if key_hashes and method != "OPTIONS" and path.startswith(GUARDED_PREFIXES):
-            if not self._authorized(scope, key_hashes):
-                await send_error(send, 401, "Invalid or missing API key: send 'Authorization: Bearer <key>'")
-                return
-        if method == "POST" and path in (CHAT_PATH, COMPLETIONS_PATH, TOKENIZE_PATH):
+        if method == "POST" and template in checked_templates():
             try:
                 raw = await self._read_body(scope, receive, settings.max_request_bytes)
                 payload = parse_json(raw)
                 if not isinstance(payload, dict):
                     raise RequestError(f"request body must be a JSON object, got {type(payload).__name__}")
-                if path == CHAT_PATH:
-                    rewrite = rewrite_chat(payload, settings, text_only, model_name)
-                elif path == COMPLETIONS_PATH:
-                    rewrite = rewrite_completion(payload, settings)
-                else:
-                    rewrite = rewrite_tokenize(payload)
+                rewrite = check_request(template, payload, resolved.policy, resolved.models.get)
             except RequestError as e:
                 await send_error(send, e.status, e.message, e.param)
                 return
@@ -551,13 +284,53 @@ class RequestCompatMiddleware:
             receive = _replay(raw, receive)
             if rewrite.strip_streamed_content:
                 send = _StripStreamedContent(send)
+            limit_token = toolcalls.CALL_LIMIT.set(rewrite.tool_call_limit)  # read by the grammar builder
+        else:
+            limit_token = None
         try:
             await self.app(scope, receive, send)
         except Exception:
             if errors.started:
                 raise
-            log.exception("unhandled error serving %s %s", method, path)
+            log.exception("unhandled error serving %s %s", method, scope.get("path"))
             await send_error(send, 500, "internal server error (logged by the server)")
+        finally:
+            if limit_token is not None:
+                toolcalls.CALL_LIMIT.reset(limit_token)
+
+    def _refusal(self, scope: Scope, kind: str, template: str | None, resolved: _Resolved) -> tuple[int, str] | None:
+        """(status, message) when the request is refused before any other check, else None."""
+        settings = resolved.settings
+        if kind == routes.OFF:
+            return 404, f"{template} is switched off on this server: qwen35-serve does not check its requests"
+        if kind == routes.ADMIN and not settings.admin_routes:
+            return 404, (f"{template} is an admin route, switched off on this server (config admin_routes: true "
+                         "turns the admin routes on, behind the API key)")  # fmt: skip
+        open_route = kind == routes.OPEN or (kind == routes.METRICS and settings.public_metrics)
+        if resolved.key_hashes and not open_route and scope.get("method") != "OPTIONS":
+            if not self._authorized(scope, resolved.key_hashes):
+                return 401, "Invalid or missing API key: send 'Authorization: Bearer <key>'"
+        return None
+
+    def _lifespan(self, scope: Scope, receive: Receive) -> Receive:
+        """`receive` for the lifespan protocol: logs the route table and starts the engine watch at
+        start-up, checks for a dead engine at shutdown."""
+
+        async def wrapped() -> Message:
+            message = await receive()
+            app = scope.get("app")
+            if message["type"] == "lifespan.startup":
+                resolved = self._resolve(scope)
+                routes.log_table(routes.app_routes(app), bool(resolved.key_hashes), resolved.settings.admin_routes,
+                                 resolved.settings.public_metrics)  # fmt: skip
+                if getattr(getattr(app, "state", None), "engine_client", None) is not None:
+                    toolcalls.install(resolved.settings.tool_string_max_chars)  # this process builds the grammars
+                lifecycle.on_startup(app)
+            elif message["type"] == "lifespan.shutdown":
+                lifecycle.on_shutdown(app)
+            return message
+
+        return wrapped
 
     @staticmethod
     def _authorized(scope: Scope, key_hashes: list[bytes]) -> bool:

@@ -5,7 +5,7 @@ a broken stub.
   loopback port with the settings vLLM's CPU engine needs, waits for `/health`, and `stop()` tears
   the whole group down.
 - `start_qwen35_serve()` runs our `qwen35-serve` console script the same way (it applies the CPU
-  settings itself, so it gets only a port, a key and whatever else the test passes).
+  settings itself, so it gets only a port, a key file and whatever else the test passes).
 - `BrokenProxy` is an OpenAI endpoint for the conformance tests that forwards to a real server and
   injects three deliberate faults: the streamed usage chunk over-counts completion tokens by one,
   the matched stop string is appended to the text, and any request with `n > 1` gets HTTP 500.
@@ -46,6 +46,11 @@ class ServerProcess:
     model: str
     process: subprocess.Popen
     log_path: Path
+
+    @property
+    def root(self) -> str:
+        """The server's root URL (where /health lives)."""
+        return self.base_url.removesuffix("/v1")
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -132,12 +137,18 @@ def qwen35_serve_command() -> list[str]:
 def start_qwen35_serve(
     *args: str, api_key: str | None = API_KEY, startup_timeout: float = 240.0, env: dict | None = None
 ) -> ServerProcess:
-    """`qwen35-serve ARGS --host 127.0.0.1 --port <free> [--api-key KEY]` on the embedded model unless
-    ARGS name another; the served name is the embedded default's unless ARGS change it."""
+    """`qwen35-serve ARGS --host 127.0.0.1 --port <free> [--api-key-file FILE]` on the embedded model
+    unless ARGS name another (the key goes through a file, as an operator should pass it); the served
+    name is the embedded default's unless ARGS change it."""
     port = free_port()
-    command = [*qwen35_serve_command(), *args, "--host", "127.0.0.1", "--port", str(port),
-               *(["--api-key", api_key] if api_key else [])]  # fmt: skip
-    env = {**os.environ, "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
+    key_args: list[str] = []
+    if api_key:
+        key_file = tempfile.NamedTemporaryFile("w", prefix="qwen35-key-", delete=False)
+        key_file.write(f"# test key\n{api_key}\n")
+        key_file.close()
+        key_args = ["--api-key-file", key_file.name]
+    command = [*qwen35_serve_command(), *args, "--host", "127.0.0.1", "--port", str(port), *key_args]
+    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_API_KEY"}, "VLLM_LOGGING_LEVEL": "INFO", **(env or {})}
     return _start(command, env, port, api_key, QWEN35_SERVED_NAME, startup_timeout)
 
 

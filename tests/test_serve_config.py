@@ -1,4 +1,5 @@
-"""`qwen35-serve`'s config: schema checks, layering, vLLM argument building (no server is started)."""
+"""`qwen35-serve`'s config: schema checks, layering, key sources, vLLM argument building (no server is
+started)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,18 @@ from pathlib import Path
 import pytest
 
 from serve import launcher
-from serve.config import OPTIONS, OURS, QWEN35_DEFAULTS, ConfigError, load_file, resolve, validate, vllm_argv
+from serve.config import (
+    OPTIONS,
+    OURS,
+    QWEN35_DEFAULTS,
+    ConfigError,
+    ServeConfig,
+    load_file,
+    read_key_file,
+    resolve,
+    validate,
+    vllm_argv,
+)
 
 CONFIGS = Path(__file__).resolve().parents[1] / "serve" / "configs"
 
@@ -39,9 +51,13 @@ def test_unknown_key_names_it_suggests_the_nearest_and_lists_the_valid_ones(tmp_
     [
         ("max_model_len: [1, 2]\n", "key 'max_model_len': expected an integer or a size string such as '32k' or '4G', "
                                     "got [1, 2] (list)"),
-        ("tensor_parallel_size: '4'\n", "key 'tensor_parallel_size': expected an integer, got '4' (str)"),
+        ("tensor_parallel_size: '4'\n", "key 'tensor_parallel_size': expected an integer >= 1, got '4' (str)"),
         ("enforce_eager: yes please\n", "key 'enforce_eager': expected true or false, got 'yes please' (str)"),
         ("gpu_memory_utilization: 1.5\n", "key 'gpu_memory_utilization': expected a number in [0.01, 1], got 1.5"),
+        ("gpu_memory_utilization: .inf\n", "key 'gpu_memory_utilization': expected a number in [0.01, 1], got inf"),
+        ("max_request_bytes: 10\n", "key 'max_request_bytes': expected an integer >= 1024, got 10 (int)"),
+        ("admin_routes: on please\n", "key 'admin_routes': expected true or false, got 'on please' (str)"),
+        ("api_key_file: [a]\n", "key 'api_key_file': expected a string, got ['a'] (list)"),
         ("port: 70000\n", "key 'port': expected an integer in [1, 65535], got 70000 (int)"),
         ("max_n: 0\n", "key 'max_n': expected an integer in [1, 16384], got 0 (int)"),
         ("enable_prefix_caching: 1\n", "key 'enable_prefix_caching': expected true or false, got 1 (int)"),
@@ -55,6 +71,18 @@ def test_bad_values_name_key_value_and_expected_type(tmp_path, text, expected):
     with pytest.raises(ConfigError) as info:
         load_file(write(tmp_path, text))
     assert expected in str(info.value)
+
+
+def test_one_pydantic_declaration_gives_types_defaults_and_docs():
+    assert set(OPTIONS) == set(ServeConfig.model_fields)
+    for name, option in OPTIONS.items():
+        info = ServeConfig.model_fields[name]
+        assert info.default is None and option.help == info.description and option.help, name
+        assert option.style == info.json_schema_extra["style"]
+    assert OPTIONS["port"].expected == "an integer in [1, 65535]" and OPTIONS["max_n"].low == 1
+    assert validate({"port": 9000, "gpu_memory_utilization": 1}) == {"port": 9000, "gpu_memory_utilization": 1.0}
+    with pytest.raises(ConfigError, match="unknown key 'ports'"):
+        validate({"ports": 1})
 
 
 def test_null_means_unset_and_an_empty_file_is_an_empty_config(tmp_path):
@@ -96,7 +124,9 @@ def test_plan_without_a_model_serves_the_embedded_qwen35_checkpoint(monkeypatch,
     assert model.parent == tmp_path / "embedded" and model.name.startswith("Qwen3_5ForCausalLM-")
     assert json.loads((model / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
     for key, value in QWEN35_DEFAULTS.items():
-        assert settings[key] == value
+        assert settings[key] == launcher.EMBEDDED_DEFAULTS.get(key, value)
+    assert settings["default_chat_template_kwargs"] == {"enable_thinking": False}, "the embedded model: thinking off"
+    assert settings["max_num_batched_tokens"] == launcher.CPU_SCHEDULING["max_num_batched_tokens"]
     assert settings["served_model_name"] == "qwen35-tiny" and settings["dtype"] == "float32"
     assert settings["max_model_len"] == 2048 and settings["port"] == 9000, "file and overrides win over defaults"
     assert settings["enforce_eager"] is True and settings["kv_cache_memory_bytes"] == "1G"
@@ -132,12 +162,57 @@ def test_command_line_overrides_are_typed_by_the_schema():
     assert ns.config == "cfg.yaml"
     assert values == {"port": 9001, "enforce_eager": False, "max_model_len": "32k", "served_model_name": ["a", "b"],
                       "structured_outputs_config": {"backend": "xgrammar"}, "model": "123"}  # fmt: skip
-    with pytest.raises(ConfigError, match="option 'port': expected an integer, got 'eighty'"):
+    with pytest.raises(ConfigError, match=r"option 'port': expected an integer in \[1, 65535\], got 'eighty'"):
         launcher.parse_override("port", "eighty")
     with pytest.raises(ConfigError, match="expected a mapping"):
         launcher.parse_override("compilation_config", "{not yaml")
     assert launcher.split_argv(["c.yaml", "--port", "1", "--", "--seed", "3"]) == (["c.yaml", "--port", "1"],
                                                                                    ["--seed", "3"])  # fmt: skip
+
+
+# -- API keys ------------------------------------------------------------------------------------
+
+
+def test_api_key_file_is_read_relative_to_the_config_and_never_shown(tmp_path, monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    (tmp_path / "keys").write_text("# serving keys\n\nkey-one\n  key-two  \n")
+    settings = load_file(write(tmp_path, "api_key_file: keys\nmodel: /m\n"))
+    assert settings["api_key_file"] == str(tmp_path / "keys")
+    planned, _ = launcher.plan(settings, {}, cpu=False)
+    assert planned["api_key"] == ["key-one", "key-two"]
+    assert "key-one" not in json.dumps(launcher.shown(planned))
+    with_key, _ = launcher.plan(settings, {"api_key": "cli-key"}, cpu=False)
+    assert with_key["api_key"] == "cli-key", "api_key (config or command line) wins over api_key_file"
+
+
+def test_key_file_errors_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"api_key_file '.*missing': cannot read it"):
+        read_key_file(tmp_path / "missing")
+    (tmp_path / "empty").write_text("# nothing here\n\n")
+    with pytest.raises(ConfigError, match="holds no key"):
+        read_key_file(tmp_path / "empty")
+
+
+def test_admin_routes_need_a_key(monkeypatch):
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    with pytest.raises(ConfigError, match="admin_routes: true needs an API key"):
+        launcher.plan({"model": "/m", "admin_routes": True}, {}, cpu=False)
+    settings, _ = launcher.plan({"model": "/m", "admin_routes": True}, {"api_key": "k"}, cpu=False)
+    assert settings["admin_routes"] is True
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    launcher.plan({"model": "/m", "admin_routes": True}, {}, cpu=False)
+
+
+def test_a_key_on_the_command_line_warns_why_and_is_not_printed(tmp_path):
+    script = Path(sys.executable).with_name("qwen35-serve")
+    command = [str(script)] if script.is_file() else [sys.executable, "-m", "serve.launcher"]
+    proc = subprocess.run([*command, str(write(tmp_path, "model: /m\n")), "--api-key", "s3cret-key", "--dry-run"],
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "WARNING: the API key given with --api-key is visible to every user of this host" in proc.stderr
+    assert "api_key_file" in proc.stderr and "VLLM_API_KEY" in proc.stderr
+    assert "s3cret-key" not in proc.stdout + proc.stderr
+    assert json.loads(proc.stdout)["settings"]["api_key"] == "***"
 
 
 # -- the CLI exits non-zero with a message ------------------------------------------------------
@@ -147,8 +222,8 @@ def test_command_line_overrides_are_typed_by_the_schema():
     "text,args,message",
     [
         ("max_seqs: 4\n", [], "unknown key 'max_seqs' (did you mean 'max_num_seqs'?); valid keys: "),
-        ("max_num_seqs: four\n", [], "key 'max_num_seqs': expected an integer, got 'four' (str)"),
-        ("", ["--port", "http"], "option 'port': expected an integer, got 'http' (str)"),
+        ("max_num_seqs: four\n", [], "key 'max_num_seqs': expected an integer >= 1, got 'four' (str)"),
+        ("", ["--port", "http"], "option 'port': expected an integer in [1, 65535], got 'http' (str)"),
     ],
 )
 def test_cli_config_errors_exit_2_with_a_message(tmp_path, text, args, message):

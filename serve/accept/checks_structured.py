@@ -175,6 +175,10 @@ def _expect_well_formed_call(call: dict, where: str, names: set[str]) -> dict:
     return parsed
 
 
+FORCED_TOKENS = 512
+"""max_tokens of the forced and required tool-call checks: room for several complete calls."""
+
+
 def _expect_forced_finish(reply: dict, limit: int) -> None:
     finish = choice(reply).get("finish_reason")
     expect(
@@ -228,23 +232,25 @@ def tool_choice_auto(suite: Suite) -> str:
 
 @check("tool_choice_required", PROTOCOL, "tool_choice required: at least one well-formed call to an offered tool")
 def tool_choice_required(suite: Suite) -> str:
-    reply = suite.chat(suite.request(WEATHER_QUESTION, max_tokens=64, tools=TOOLS, tool_choice="required"))
+    reply = suite.chat(suite.request(WEATHER_QUESTION, max_tokens=FORCED_TOKENS, tools=TOOLS, tool_choice="required"))
     calls = _tool_calls(reply)
     expect(calls, "choices[0].message.tool_calls", "no tool call with tool_choice required")
     for i, call in enumerate(calls):
         _expect_well_formed_call(call, f"choices[0].message.tool_calls[{i}]", TOOL_NAMES)
-    _expect_forced_finish(reply, 64)
+    _expect_forced_finish(reply, FORCED_TOKENS)
     return ", ".join(call["function"]["name"] for call in calls)
 
 
 @check("tool_choice_named", PROTOCOL, "tool_choice naming a function: calls exactly that function")
 def tool_choice_named(suite: Suite) -> None:
-    reply = suite.chat(suite.request(WEATHER_QUESTION, max_tokens=64, tools=TOOLS, tool_choice=named("search_web")))
+    reply = suite.chat(
+        suite.request(WEATHER_QUESTION, max_tokens=FORCED_TOKENS, tools=TOOLS, tool_choice=named("search_web"))
+    )
     calls = _tool_calls(reply)
     expect(calls, "choices[0].message.tool_calls", "no tool call with a named tool_choice")
     for i, call in enumerate(calls):
         _expect_well_formed_call(call, f"choices[0].message.tool_calls[{i}]", {"search_web"})
-    _expect_forced_finish(reply, 64)
+    _expect_forced_finish(reply, FORCED_TOKENS)
 
 
 @check("tool_strict_schema", PROTOCOL, "strict function + forced call: arguments validate against the parameters")
@@ -263,7 +269,7 @@ def tool_strict_schema(suite: Suite) -> None:
 
 def _streamed_tool_check(suite: Suite, tool_choice: object, names: set[str]) -> str:
     """The stream assembles to the non-streamed message: same tool calls, same (empty) text."""
-    body = suite.request(WEATHER_QUESTION, max_tokens=64, tools=TOOLS, tool_choice=tool_choice)
+    body = suite.request(WEATHER_QUESTION, max_tokens=FORCED_TOKENS, tools=TOOLS, tool_choice=tool_choice)
     expected = suite.chat(body)
     streamed = assemble(suite.stream(body))[0]
     expect(streamed.tool_calls, "delta.tool_calls", "no tool-call deltas were streamed")

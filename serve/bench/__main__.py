@@ -6,22 +6,75 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
 
 import httpx
 
-from serve.bench.generate import MixConfig, generate_requests, read_requests, write_requests
+from serve.accept.client import split_base_url
+from serve.bench.generate import (
+    TOKENS_PER_WORD,
+    MixConfig,
+    fit_requests,
+    generate_requests,
+    read_requests,
+    write_requests,
+)
 from serve.bench.replay import Progress, ReplayConfig, format_summary, replay, summarize
 
 
-def _first_model(base_url: str, api_key: str | None) -> str:
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    reply = httpx.get(base_url.rstrip("/") + "/models", headers=headers, timeout=30)
+def _headers(api_key: str | None) -> dict:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def _models(base_url: str, api_key: str | None) -> list[dict]:
+    """The entries of the server's /v1/models; RuntimeError saying what to pass instead."""
+    base, _ = split_base_url(base_url)
+    try:
+        reply = httpx.get(base + "/models", headers=_headers(api_key), timeout=30)
+    except httpx.HTTPError as error:
+        raise RuntimeError(f"cannot reach {base}/models ({type(error).__name__}: {error})") from None
     data = reply.json().get("data") if reply.status_code == 200 else None
     if not data:
-        raise RuntimeError(f"cannot list models at {base_url}/models (HTTP {reply.status_code}); pass --model")
-    return data[0]["id"]
+        raise RuntimeError(f"cannot list models at {base}/models (HTTP {reply.status_code})")
+    return data
+
+
+def _first_model(base_url: str, api_key: str | None) -> str:
+    try:
+        return _models(base_url, api_key)[0]["id"]
+    except RuntimeError as error:
+        raise RuntimeError(f"{error}; pass --model") from None
+
+
+def _context_of(base_url: str, api_key: str | None, model: str | None) -> tuple[str, int]:
+    """(model, max_model_len) as the server's /v1/models reports them."""
+    entries = _models(base_url, api_key)
+    entry = next((e for e in entries if e.get("id") == model), None) if model else entries[0]
+    if entry is None:
+        raise RuntimeError(f"{base_url}/models does not list {model!r} (it lists {[e.get('id') for e in entries]})")
+    length = entry.get("max_model_len")
+    if not isinstance(length, int) or length < 1:
+        raise RuntimeError(f"{base_url}/models reports no max_model_len for {entry.get('id')!r}; pass --max-model-len")
+    return entry["id"], length
+
+
+def _token_counter(base_url: str, api_key: str | None, model: str) -> Callable[[dict], int]:
+    """Prompt tokens of a chat body, counted by the server's `/tokenize` (vLLM's)."""
+    _, root = split_base_url(base_url)
+    client = httpx.Client(headers=_headers(api_key), timeout=60)
+
+    def count(body: dict) -> int:
+        payload = {"model": model, "messages": body["messages"], "add_generation_prompt": True}
+        if body.get("tools"):
+            payload["tools"] = body["tools"]
+        reply = client.post(root + "/tokenize", json=payload)
+        if reply.status_code != 200:
+            raise RuntimeError(f"{root}/tokenize answered HTTP {reply.status_code}: {reply.text[:200]}")
+        return int(reply.json()["count"])
+
+    return count
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
@@ -32,7 +85,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     config = ReplayConfig(
         base_url=args.base_url, model=model, api_key=args.api_key,
         concurrency=None if args.rate else args.concurrency, rate=args.rate, duration=args.duration,
-        timeout=args.timeout, seed=args.seed, ignore_eos=args.ignore_eos,
+        timeout=args.timeout, seed=args.seed, ignore_eos=args.ignore_eos, token_ids=args.token_ids,
     )  # fmt: skip
     progress = Progress(
         None if args.duration else len(requests), args.duration, enabled=None if args.progress else False
@@ -64,10 +117,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
         tool_share=args.tool_share, max_tools=args.max_tools, temperature=args.temperature,
     )  # fmt: skip
     requests = generate_requests(config)
+    fitted = ""
+    if args.max_model_len != 0:
+        count = None
+        if args.max_model_len is None:
+            try:
+                model, length = _context_of(args.base_url, args.api_key, args.model)
+            except RuntimeError as error:
+                raise RuntimeError(f"{error}: start the server, or pass --max-model-len N (0: do not fit)") from None
+            count, where = _token_counter(args.base_url, args.api_key, model), f"{model} at {args.base_url}"
+        else:
+            length, where = args.max_model_len, "--max-model-len"
+        requests, report = fit_requests(requests, length, count, args.tokens_per_word)
+        how = (
+            "counted by the server's tokenizer"
+            if report.exact
+            else f"estimated at {args.tokens_per_word:g} tokens a word"
+        )
+        fitted = (
+            f"; fitted to max_model_len {length} of {where} ({how}): {report.shortened} prompts shortened, "
+            f"{report.capped} max_tokens capped"
+        )
     write_requests(args.out, requests)
     tools = sum("tools" in r for r in requests)
     turns = sum(sum(m["role"] == "user" for m in r["messages"]) > 1 for r in requests)
-    print(f"wrote {len(requests)} requests to {args.out} ({tools} with tools, {turns} multi-turn)")
+    print(f"wrote {len(requests)} requests to {args.out} ({tools} with tools, {turns} multi-turn){fitted}")
     return 0
 
 
@@ -86,6 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
     rep.add_argument("--duration", type=float, help="cycle the set for this many seconds (default: each once)")
     rep.add_argument("--limit", type=int, help="use only the first N requests of the file")
     rep.add_argument("--ignore-eos", action="store_true", help="send vLLM's ignore_eos: replies run to max_tokens")
+    rep.add_argument(
+        "--token-ids",
+        action="store_true",
+        help="ask vLLM for return_token_ids: ITL then counts every token, shown or held back",
+    )
     rep.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default %(default)s)")
     rep.add_argument("--seed", type=int, default=0, help="seed of the open-loop arrival times")
     rep.add_argument("--json", type=Path, help="write the JSON report here")
@@ -99,6 +178,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="write a synthetic request set (JSONL)")
     gen.add_argument("--out", type=Path, required=True)
+    gen.add_argument(
+        "--base-url",
+        default=os.environ.get("OPENAI_BASE_URL", "http://127.0.0.1:8000/v1"),
+        help="the target server: prompts are fitted to its max_model_len and counted by its tokenizer",
+    )
+    gen.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"))
+    gen.add_argument("--model", help="the target's model (default: the first /v1/models lists)")
+    gen.add_argument(
+        "--max-model-len",
+        type=int,
+        help="fit to this context instead of asking the server (sizes estimated); 0: do not fit",
+    )
+    gen.add_argument(
+        "--tokens-per-word",
+        type=float,
+        default=TOKENS_PER_WORD,
+        help="estimate used with --max-model-len (default %(default)s)",
+    )
     defaults = MixConfig()
     gen.add_argument("--num", type=int, default=defaults.num_requests)
     gen.add_argument("--seed", type=int, default=defaults.seed)

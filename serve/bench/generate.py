@@ -6,6 +6,12 @@ tail), a few long system prompts are shared by many requests (so prefix caching 
 popular ones more often — Zipf-like), a share of requests are multi-turn conversations, and a share
 offer tools, some with an earlier tool call and its result in the history. The same arguments and
 seed always give the same file.
+
+`fit_requests` then fits each request into a server's context (`max_model_len`): `max_tokens` is
+capped at a quarter of the context, and a prompt that would not leave room for it is shortened:
+earlier turns first (the longest text first), the shared system prompt last. Prompt sizes are
+counted exactly by the server's `/tokenize` when a counter is given, else estimated from word
+counts (`TOKENS_PER_WORD`, set high enough for the embedded toy tokenizer, so the estimate fits too).
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import json
 import math
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -197,3 +204,92 @@ def read_requests(path: Path) -> list[dict]:
     if not requests:
         raise ValueError(f"{path}: no requests")
     return requests
+
+
+# -- fitting into a context ----------------------------------------------------------------------
+
+TOKENS_PER_WORD = 3.2
+"""Estimated prompt tokens per word of the generated prose, on the high side: the embedded toy
+tokenizer gives 2.6-3.1 on it, Qwen's own tokenizers far fewer."""
+MESSAGE_OVERHEAD = 8
+"""Estimated template tokens around each message (role markers, newlines)."""
+OUTPUT_SHARE = 4
+"""`max_tokens` is capped at max_model_len // OUTPUT_SHARE."""
+
+
+def estimate_prompt_tokens(body: dict, tokens_per_word: float = TOKENS_PER_WORD) -> int:
+    """An upper estimate of the prompt tokens of a chat body: words of every message, the tool
+    definitions and call arguments at ~3 characters a token, and a few tokens per message."""
+    total = 16 + sum(len(json.dumps(t)) // 3 for t in body.get("tools") or [])
+    for message in body["messages"]:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += math.ceil(len(content.split()) * tokens_per_word)
+        for call in message.get("tool_calls") or []:
+            total += len(json.dumps(call)) // 3
+        total += MESSAGE_OVERHEAD
+    return total
+
+
+@dataclass
+class FitReport:
+    max_model_len: int
+    shortened: int = 0
+    """Requests whose prompt was shortened."""
+    capped: int = 0
+    """Requests whose max_tokens was lowered."""
+    exact: bool = False
+    """Whether prompt sizes came from the server's tokenizer."""
+
+
+def _shorten(body: dict, words_to_cut: int) -> bool:
+    """Cut `words_to_cut` words (at least one, never the last one) from the end of the longest text
+    message, non-system ones first; False when nothing is left to cut."""
+    candidates = [m for m in body["messages"] if isinstance(m.get("content"), str) and len(m["content"].split()) > 1]
+    if not candidates:
+        return False
+    others = [m for m in candidates if m["role"] != "system"]
+    message = max(others or candidates, key=lambda m: len(m["content"].split()))
+    words = message["content"].split()
+    keep = max(1, min(len(words) - 1, len(words) - words_to_cut))
+    message["content"] = " ".join(words[:keep])
+    return True
+
+
+def fit_requests(
+    requests: list[dict],
+    max_model_len: int,
+    count_tokens: Callable[[dict], int] | None = None,
+    tokens_per_word: float = TOKENS_PER_WORD,
+) -> tuple[list[dict], FitReport]:
+    """Copies of `requests` that each fit `max_model_len`: prompt tokens + max_tokens <= max_model_len.
+
+    `count_tokens(body)` gives the exact prompt size (e.g. the server's `/tokenize`); without it
+    the size is estimated. Raises ValueError naming the request when even a one-word prompt is too
+    long (the system prompt and tools alone exceed the context).
+    """
+    if max_model_len < 2 * OUTPUT_SHARE:
+        raise ValueError(f"max_model_len={max_model_len} is too small to fit requests (at least {2 * OUTPUT_SHARE})")
+    report = FitReport(max_model_len, exact=count_tokens is not None)
+    count = count_tokens or (lambda body: estimate_prompt_tokens(body, tokens_per_word))
+    fitted = []
+    for index, original in enumerate(requests):
+        body = json.loads(json.dumps(original))
+        cap = max_model_len // OUTPUT_SHARE
+        if body.get("max_tokens", 0) > cap:
+            body["max_tokens"] = cap
+            report.capped += 1
+        budget = max_model_len - body.get("max_tokens", 0)
+        size = count(body)
+        shortened = False
+        while size > budget:
+            if not _shorten(body, math.ceil((size - budget) / 1.2)):  # >= 1.2 tokens a word: few rounds
+                raise ValueError(
+                    f"request {index} cannot fit max_model_len={max_model_len}: its prompt needs {size} "
+                    f"tokens with every message cut to one word, {budget} are left after max_tokens"
+                )
+            shortened = True
+            size = count(body)
+        report.shortened += shortened
+        fitted.append(body)
+    return fitted, report

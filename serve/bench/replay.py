@@ -10,6 +10,13 @@ server's own usage (prompt, completion and — when the server reports
 
 TTFT is the time to the first chunk with output (text, reasoning or a tool call); ITL the gaps
 between such chunks, so a server that batches several tokens per chunk shows fewer, longer gaps.
+A parser that holds text back (markup it has not decided on, byte fragments of an unfinished
+UTF-8 character, which a random-weight model emits in long runs) shows as one long gap too. With
+`token_ids`, each request asks vLLM for `return_token_ids`: every sampled token then arrives in a
+chunk of its own, text or not, so ITL measures the engine's token cadence.
+
+A request the server refuses with a 4xx status (a prompt longer than its context, a limit of its
+policy) is counted as refused, apart from the failures (5xx, broken streams, transport errors).
 
 Without `duration` each request of the set is sent once; with it the set is cycled until
 `duration` seconds have passed (requests already started still finish and count).
@@ -56,10 +63,17 @@ class RequestRecord:
     output_chunks: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    status: int | None = None
+    """HTTP status of the reply (None when no reply came)."""
 
     @property
     def ok(self) -> bool:
         return self.error is None
+
+    @property
+    def refused(self) -> bool:
+        """The server declined the request with a 4xx status."""
+        return self.status is not None and 400 <= self.status < 500
 
     @property
     def latency(self) -> float:
@@ -85,6 +99,8 @@ class ReplayConfig:
     seed: int = 0
     ignore_eos: bool = False
     """Send vLLM's `ignore_eos` so every reply runs to its max_tokens (output lengths follow the set)."""
+    token_ids: bool = False
+    """Send vLLM's `return_token_ids`, so ITL counts every token (see the module docstring)."""
 
     def __post_init__(self) -> None:
         if (self.concurrency is None) == (self.rate is None):
@@ -101,6 +117,8 @@ def _prepare(body: dict, config: ReplayConfig) -> dict:
     prepared = {**body, "model": config.model, "stream": True, "stream_options": {"include_usage": True}}
     if config.ignore_eos:
         prepared["ignore_eos"] = True
+    if config.token_ids:
+        prepared["return_token_ids"] = True
     return prepared
 
 
@@ -109,6 +127,7 @@ async def _send(client: httpx.AsyncClient, url: str, headers: dict, body: dict, 
     record.start = last = time.perf_counter()
     try:
         async with client.stream("POST", url, json=body, headers=headers) as response:
+            record.status = response.status_code
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {text[:200]}"
@@ -126,7 +145,8 @@ async def _send(client: httpx.AsyncClient, url: str, headers: dict, body: dict, 
                 now = time.perf_counter()
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
-                    if delta.get("content") or reasoning_of(delta) or delta.get("tool_calls"):
+                    shown = delta.get("content") or reasoning_of(delta) or delta.get("tool_calls")
+                    if shown or choice.get("token_ids"):
                         if record.ttft is None:
                             record.ttft = now - record.start
                         else:
@@ -240,19 +260,26 @@ def summarize(records: list[RequestRecord], wall: float) -> dict:
         "cache": totals["cached_tokens"] / window,
     }
     errors: dict[str, int] = {}
+    refusals: dict[str, int] = {}
     for r in records:
         if not r.ok:
             kind = r.error.split(":", 1)[0]
-            errors[kind] = errors.get(kind, 0) + 1
+            counts = refusals if r.refused else errors
+            counts[kind] = counts.get(kind, 0) + 1
+    refused = [r for r in records if not r.ok and r.refused]
+    failed = [r for r in records if not r.ok and not r.refused]
     tpot = [
         (r.latency - r.ttft) / (r.completion_tokens - 1) for r in done if r.ttft is not None and r.completion_tokens > 1
     ]
     return {
         "requests": len(records),
         "succeeded": len(done),
-        "failed": len(records) - len(done),
+        "refused": len(refused),
+        "failed": len(failed),
+        "refusals": refusals,
         "errors": errors,
-        "first_errors": [r.error for r in records if not r.ok][:5],
+        "first_refusals": [r.error for r in refused][:5],
+        "first_errors": [r.error for r in failed][:5],
         "usage_reported": all(r.usage_reported for r in done),
         "seconds": window,
         "requests_per_second": len(done) / window,
@@ -274,7 +301,8 @@ def format_summary(summary: dict, config: ReplayConfig) -> str:
     lines = [
         f"model {config.model} at {config.base_url}, {load}"
         + (f", duration {config.duration:g} s" if config.duration else ""),
-        f"requests     {summary['succeeded']} ok, {summary['failed']} failed in {summary['seconds']:.2f} s "
+        f"requests     {summary['succeeded']} ok, {summary['refused']} refused (4xx), {summary['failed']} failed "
+        f"in {summary['seconds']:.2f} s "
         f"({summary['requests_per_second']:.2f} req/s)",
         f"tokens       prompt {totals['prompt_tokens']} (cached {totals['cached_tokens']}), "
         f"completion {totals['completion_tokens']}" + ("" if summary["usage_reported"] else "  [usage estimated]"),
@@ -288,8 +316,11 @@ def format_summary(summary: dict, config: ReplayConfig) -> str:
     for name, stats in summary["latency_seconds"].items():
         cells = [stats[k] for k in ("mean", "p50", "p90", "p95", "p99", "max")]
         lines.append(f"{name.upper():12}" + "".join(f"{'-':>10}" if v is None else f"{v * 1000:10.1f}" for v in cells))
-    if summary["failed"]:
+    if summary["refused"] or summary["failed"]:
         lines.append("")
+    if summary["refused"]:
+        lines.append(f"refusals     {summary['refusals']}; first: {summary['first_refusals'][0]}")
+    if summary["failed"]:
         lines.append(f"errors       {summary['errors']}; first: {summary['first_errors'][0]}")
     return "\n".join(lines)
 
@@ -301,11 +332,12 @@ class Progress:
         self.total, self.duration = total, duration
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self.start = time.perf_counter()
-        self.done = self.failed = self.tokens = 0
+        self.done = self.failed = self.refused = self.tokens = 0
 
     def __call__(self, record: RequestRecord) -> None:
         self.done += 1
-        self.failed += not record.ok
+        self.failed += not record.ok and not record.refused
+        self.refused += record.refused
         self.tokens += record.completion_tokens if record.ok else 0
         if not self.enabled:
             return
@@ -318,7 +350,7 @@ class Progress:
         rate = self.tokens / elapsed if elapsed > 0 else 0.0
         sys.stderr.write(
             f"\r[{bar}] {self.done}{'/' + str(self.total) if self.total else ''} req  {elapsed:6.1f} s  "
-            f"out {rate:8.1f} tok/s  errors {self.failed}"
+            f"out {rate:8.1f} tok/s  refused {self.refused}  errors {self.failed}"
         )
         sys.stderr.flush()
 
