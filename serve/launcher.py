@@ -225,22 +225,18 @@ def shown(settings: dict) -> dict:
 def serve(settings: dict, extra_vllm_args: list[str], env: dict[str, str]) -> None:
     """Run vLLM's OpenAI server in this process until it is stopped."""
     os.environ.update(env)
-    from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
-    from vllm.logger import configure_logging_from_args
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
-
+    from qwen35.vllm_adapter import serve_api
     from serve.middleware import SETTINGS_ATTR
 
-    cli_env_setup()
-    parser = make_arg_parser(FlexibleArgumentParser(prog="qwen35-serve (vLLM arguments)"))
+    api = serve_api()  # vLLM's serve entry points for the installed version (a clear error outside the range)
+    api.cli_env_setup()
+    parser = api.make_arg_parser(api.FlexibleArgumentParser(prog="qwen35-serve (vLLM arguments)"))
     args = parser.parse_args(vllm_argv(settings) + extra_vllm_args)
     setattr(args, SETTINGS_ATTR, {k: settings[k] for k in COMPAT_KEYS if k in settings})
-    configure_logging_from_args(args)
-    validate_parsed_serve_args(args)
+    api.configure_logging(args)
+    api.validate_parsed_serve_args(args)
     log.info("qwen35-serve: %s", json.dumps(shown(settings), default=str))
-    ServeSubcommand.cmd(args)
+    api.ServeSubcommand.cmd(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -291,6 +291,7 @@ def replay_metrics(summary: dict) -> dict[str, float]:
     lat = summary["latency_seconds"]
     out = {"output_tps": summary["tps"]["output"], "input_tps": summary["tps"]["input"],
            "cache_tps": summary["tps"]["cache"], "score": summary["score"], "failed": float(summary["failed"]),
+           "refused": float(summary.get("refused", 0)),
            "seconds": summary["seconds"]}
     for name in ("ttft", "itl", "tpot"):
         for q in ("p50", "p99"):
