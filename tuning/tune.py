@@ -65,8 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"a preset ({', '.join(PRESETS)}), an HF config.json or a checkpoint directory")
     ap.add_argument("--tp", default="1", help=f"tensor-parallel size: {', '.join(map(str, TPS))} (default 1)")
     ap.add_argument("--dtype", default="bf16", help=f"activation dtype: {', '.join(DTYPES)} (default bf16)")
-    ap.add_argument("--ops", default="all", help=f"comma-separated: {', '.join(TUNABLES)} (or the op-table names "
-                    f"{', '.join(ALIASES)}); default all that the model has")
+    ap.add_argument("--ops", default="all", help=f"comma-separated: {', '.join(TUNABLES)} (or the op-table and "
+                    f"config-file names {', '.join(ALIASES)}); default all that the model has")
     ap.add_argument("--decode-buckets", default=",".join(map(str, DECODE_BUCKETS)),
                     help="decode batch sizes (GDN decode rows; MoE tokens)")
     ap.add_argument("--prefill-buckets", default=",".join(map(str, PREFILL_BUCKETS)),
@@ -103,8 +103,8 @@ def _ops(text: str, rank: RankShapes) -> list[str]:
             if name in UNTUNED:
                 raise BadInput(f"--ops {name}: takes no tuned config ({UNTUNED[name]}); accepted: "
                                f"{', '.join(TUNABLES)}")
-            raise BadInput(f"--ops {name!r}: unknown op; accepted: {', '.join(TUNABLES)}, or the op-table names "
-                           f"{', '.join(ALIASES)}")
+            raise BadInput(f"--ops {name!r}: unknown op; accepted: {', '.join(TUNABLES)}, or the op-table and "
+                           f"config-file names {', '.join(ALIASES)}")
         why = TUNABLES[tunable].applies(rank)
         if why and text != "all":
             raise BadInput(f"--ops {name}: nothing to tune: {why}; accepted for it: "
@@ -157,7 +157,8 @@ def out_root(args: argparse.Namespace) -> Path:
 
 
 def print_plan(args: argparse.Namespace, rank: RankShapes, dtype: torch.dtype, tasks: list[Task], facts: dict,
-               stream=sys.stdout) -> None:  # noqa: ANN001
+               stream=None) -> None:  # noqa: ANN001 - a text stream, default stdout
+    stream = stream or sys.stdout
     out = out_root(args)
     print(f"model {rank.model} at TP {rank.tp} ({args.dtype}): GDN H={rank.gdn_key_heads} HV={rank.gdn_value_heads} "
           f"K={rank.key_dim} V={rank.value_dim}" + (f"; MoE E={rank.experts} top-{rank.top_k} H={rank.hidden} "

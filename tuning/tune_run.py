@@ -98,7 +98,7 @@ class Task:
     workloads: Callable[[torch.device], list[Workload]]
     seeds: Callable[[list[Workload], bool], list[dict]]  # (workloads, from_scratch) -> candidates to start from
     entries: Callable[[dict], dict[str, dict]]  # candidate -> {config file op: the fields its entry holds}
-    explicit: list[dict] | None = None  # try exactly these (in order) instead of searching
+    explicit: list[dict] | None = None  # try exactly these (in order, not pruned) instead of searching
     note: str = ""
 
     @property
@@ -303,7 +303,7 @@ class TaskRun:
         key = _ckey(cand)
         if key in self.results:
             return self.results[key]
-        why = self.task.excluded(cand)
+        why = self.task.excluded(cand) if self.task.explicit is None else None  # an explicit list is tried as is
         why = f"excluded: {why}" if why else None
         if why is None and key in self.crashed:
             why = "crashed: lost the CUDA context in an earlier run"
@@ -351,9 +351,9 @@ class TaskRun:
                     best, best_score = c, s
 
         if self.task.explicit is not None:
-            for i, c in enumerate(self.task.explicit):
+            for c in self.task.explicit:
                 if time.time() > until and best is not None:
-                    return best, i < len(self.task.explicit)
+                    return best, True
                 consider(c)
             return best, False
         for c in self.task.seeds(self.workloads, from_scratch):

@@ -176,9 +176,9 @@ def _pow2_at_least(n: int) -> int:
 
 
 def block_m_cap(M: int, top_k: int, E: int) -> int:
-    """The widest BLOCK_M worth trying: twice the mean token-slots per expert (as a power of two), 16 to 128.
-    Wider blocks are mostly padding rows."""
-    return max(16, min(128, 2 * _pow2_at_least(-(-M * top_k // max(E, 1)))))
+    """The widest BLOCK_M worth trying: twice the mean token-slots per expert (as a power of two), at most 128, at
+    least the heuristic's (:func:`block_m_for`). Wider blocks are mostly padding rows."""
+    return max(block_m_for(M, top_k, E), min(128, 2 * _pow2_at_least(-(-M * top_k // max(E, 1)))))
 
 
 def excluded(which: str, cfg: GemmConfig, M: int, top_k: int, E: int, N: int, K: int, dtype: torch.dtype,
