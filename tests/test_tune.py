@@ -184,7 +184,7 @@ def _bad_configs(tmp_path) -> dict[str, str]:
 
 @pytest.mark.parametrize("case", ["preset", "no-config-dir", "broken", "lacking", "alien", "tp-heads", "tp-value",
                                   "tp-text", "op", "untuned-op", "dense-moe", "dtype", "backend", "sm70", "buckets",
-                                  "budget", "missing-model"])
+                                  "budget", "jobs", "missing-model"])
 def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
     files = _bad_configs(tmp_path)
     argv, expect = {
@@ -206,6 +206,7 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path, capsys):
         "sm70": (["--model", "27b", "--backend", "cuda_sm70"], ["cuda_sm70", "not tunable", "accepted: triton"]),
         "buckets": (["--model", "27b", "--decode-buckets", "1,x"], ["'1,x'", "positive integers"]),
         "budget": (["--model", "27b", "--budget-min", "0"], ["--budget-min 0", "positive"]),
+        "jobs": (["--model", "27b", "--jobs", "-1"], ["'-1'", "0 to 64"]),
         "missing-model": ([], ["--model"]),
     }[case]
     for dry in ([], ["--dry-run"]):

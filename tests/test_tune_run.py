@@ -28,7 +28,7 @@ from kernels_triton.gdn import bench_api as gdn_api  # noqa: E402
 from qwen35.tiny import TinySpec, config_json  # noqa: E402
 from tuning import tune, tune_run  # noqa: E402
 from tuning.tune_model import load_model, shard  # noqa: E402
-from tuning.tune_ops import GdnStep  # noqa: E402
+from tuning.tune_ops import GdnStep, WarmPool  # noqa: E402
 from tuning.tune_run import Part, Task, Workload  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -166,6 +166,24 @@ def test_a_crashing_candidate_of_a_real_op_is_rejected(tmp_path):
     assert entry.get("BV") != 24 and entry["rejected_count"] == 1
     assert gdn_api.step_excluded({"BV": 24, "num_warps": 4, "STREAM": False}, 32, 32,
                                  bench_api.device_limits(CPU)) is not None  # the search itself never tries it
+
+
+def test_the_compile_warm_up_runs_candidates_in_another_process(tmp_path):
+    """With a warm-up process, the candidates run there first; the one that fails is rejected without running in
+    the tuning process, the others are checked and timed here as usual."""
+    name, cfg = load_model(str(_tiny(tmp_path)))
+    (task,) = GdnStep().tasks(shard(name, cfg, 1), torch.float32, [1], bench_api.device_limits(CPU))
+    task.explicit = [{"BV": 16, "num_warps": 1, "STREAM": False}, {"BV": 12, "num_warps": 1, "STREAM": False}]
+    pool = WarmPool(1)
+    outcomes: list = []
+    try:
+        tune_run.run_tasks([task], CPU, tmp_path / "out", 300, False, _prov(), outcomes, warm=pool)
+    finally:
+        pool.close()
+    (out,) = outcomes
+    assert out.tried == 2 and [r["config"]["gdn_recurrent_step"]["BV"] for r in out.rejected] == [12]
+    assert "in the compile warm-up" in out.rejected[0]["reason"] and "power of 2" in out.rejected[0]["reason"]
+    assert out.status in ("tuned", "heuristic") and out.heuristic_ms > 0
 
 
 def test_a_rerun_skips_finished_buckets(tmp_path, capsys):

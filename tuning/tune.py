@@ -32,7 +32,7 @@ from kernels_triton import bench_api
 from qwen35 import optable
 from tuning import _bench
 from tuning.tune_model import PRESETS, TPS, USUAL_TP, BadInput, RankShapes, load_model, shard
-from tuning.tune_ops import ALIASES, BACKENDS, TUNABLES, UNTUNED
+from tuning.tune_ops import ALIASES, BACKENDS, TUNABLES, UNTUNED, WarmPool
 from tuning.tune_run import (
     SUMMARY_COLUMNS,
     ContextLost,
@@ -49,6 +49,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DECODE_BUCKETS = (1, 4, 16, 64, 256)  # decode batch rows (MoE: tokens)
 PREFILL_BUCKETS = (1024, 4096, 16384)  # prefill tokens (GDN scan: tokens per sequence)
 DEFAULT_BUDGET_MIN = 20.0
+DEFAULT_JOBS = 8
 NO_GPU = "tuning needs a GPU; --dry-run shows the plan"
 
 
@@ -78,6 +79,8 @@ def _parser() -> argparse.ArgumentParser:
                     help=f"minutes for the whole run (default {DEFAULT_BUDGET_MIN:g}); a rerun continues")
     ap.add_argument("--from-scratch", action="store_true",
                     help="ignore the configs in files (shipped or user): search from the heuristic alone")
+    ap.add_argument("--jobs", default=None, help="processes that compile candidates ahead of timing (default: "
+                    f"{DEFAULT_JOBS} on a GPU, at most half the CPU cores; 0 on the interpreter)")
     ap.add_argument("--dry-run", action="store_true", help="print the plan (ops x buckets x candidates) and exit")
     ap.add_argument("--summary", default=None, help="also write the final table as DIR/tune_<device>_<model>_tp<N>"
                     ".json and .md")
@@ -128,6 +131,8 @@ def plan(args: argparse.Namespace) -> tuple[RankShapes, torch.dtype, list[Task],
         raise BadInput(f"--tp {args.tp!r}: accepted {', '.join(map(str, TPS))}") from None
     if not args.budget_min > 0:
         raise BadInput(f"--budget-min {args.budget_min:g}: accepted a positive number of minutes")
+    if args.jobs is not None and not (args.jobs.isdigit() and int(args.jobs) <= 64):
+        raise BadInput(f"--jobs {args.jobs!r}: accepted an integer from 0 to 64")
     name, cfg = load_model(args.model)
     rank = shard(name, cfg, tp)
     dtype = DTYPES[args.dtype]
@@ -210,8 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     prov = provenance(device, argv)
     outcomes: list[Outcome] = []
     status = 0
+    jobs = int(args.jobs) if args.jobs is not None else (
+        min(DEFAULT_JOBS, max(1, (os.cpu_count() or 2) // 2)) if device.type == "cuda" else 0)
+    pool = WarmPool(jobs) if jobs else None
     try:
-        run_tasks(tasks, device, out_root(args), args.budget_min * 60, args.from_scratch, prov, outcomes)
+        run_tasks(tasks, device, out_root(args), args.budget_min * 60, args.from_scratch, prov, outcomes, warm=pool)
     except KeyboardInterrupt:
         print("\ninterrupted: the finished buckets are in their files; a rerun continues from there", file=sys.stderr)
         status = 130
@@ -219,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nqwen35-tune: a candidate left the CUDA context unusable ({e}); it is recorded and skipped from now "
               "on; the finished buckets are in their files: run again to continue", file=sys.stderr)
         status = 1
+    finally:
+        if pool is not None:
+            pool.close()
     rows = summary_rows(outcomes)
     print(_bench.format_table(rows, SUMMARY_COLUMNS))
     gain = geomean_speedup(outcomes)

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import functools
 import math
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -29,11 +32,11 @@ from kernels_triton.moe import bench_api as moe_api
 from qwen35 import optable
 from qwen35 import reference as ref
 from tuning.tune_model import RankShapes
-from tuning.tune_run import Part, Task, Workload
+from tuning.tune_run import Part, Task, Workload, device_alive, reason
 
 PREFILL_BATCH_TOKENS = 16384  # tokens of a prefill batch (vLLM's chunked prefill): a bucket of P tokens per sequence
 GRAPH_MAX_TOKENS = 256  # MoE buckets up to this many tokens are timed by graph replay
-ROTATE_MAX = 64  # input sets a graph cycles through at most
+ROTATE_MAX = 384  # input sets a graph cycles through at most
 UNTUNED = {
     "causal_conv1d_prefill": "its launch shape is a fixed rule (kernels_triton/conv1d.py)",
     "causal_conv1d_update": "its launch shape is a fixed rule (kernels_triton/conv1d.py)",
@@ -69,6 +72,11 @@ def _rotations(device: torch.device, bytes_per_call: int) -> int:
         return 1
     l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or (64 << 20)
     return max(1, min(ROTATE_MAX, math.ceil(3 * l2 / max(bytes_per_call, 1))))
+
+
+def _pow2_below(n: int) -> int:
+    """The largest power of two <= n (1 for n < 1)."""
+    return 1 << max(int(n), 1).bit_length() - 1
 
 
 def _in_space(cand: dict, axes: dict) -> dict:
@@ -122,7 +130,8 @@ class GdnStep(Tunable):
             workloads=functools.partial(self._workloads, B=B, H=H, HV=HV, K=K, V=V, dtype=dtype),
             seeds=lambda wls, scratch, axes=axes: [_in_space(wls[0].baseline, axes)] + (
                 [] if scratch or wls[0].current is None else [_in_space(wls[0].current, axes)]),
-            entries=lambda c: {"gdn_recurrent_step": {k: c[k] for k in ("BV", "num_warps", "STREAM")}})
+            entries=lambda c: {"gdn_recurrent_step": {k: c[k] for k in ("BV", "num_warps", "STREAM")}},
+            spec=(self.name, rank, dtype, B, limits))
             for B in buckets]
 
     @staticmethod
@@ -204,7 +213,8 @@ class GdnScan(Tunable):
             workloads=functools.partial(self._workloads, P=P, H=H, HV=HV, K=K, V=V, dtype=dtype),
             seeds=functools.partial(self._seeds, axes=axes),
             entries=lambda c: {"gdn_chunk_scan": {k: c[k] for k in ("BV", "num_warps", "num_stages")}},
-            note="layouts: " + " and ".join(f"{n} x {P}" for n in self.counts(P)))
+            note="layouts: " + " and ".join(f"{n} x {P}" for n in self.counts(P)),
+            spec=(self.name, rank, dtype, P, limits))
             for P in buckets]
 
     @staticmethod
@@ -344,7 +354,8 @@ class MoeGemm(Tunable):
                 workloads=functools.partial(self._workloads, s=s, M=M, dtype=dtype),
                 seeds=functools.partial(self._seeds, s=s, M=M, dtype=dtype, limits=limits),
                 entries=functools.partial(self._entries, M=M),
-                note=f"{ups} gate_up + {downs} down configs, timed apart"))
+                note=f"{ups} gate_up + {downs} down configs, timed apart",
+                spec=(self.name, rank, dtype, M, limits)))
         return tasks
 
     @staticmethod
@@ -400,14 +411,15 @@ class MoeGemm(Tunable):
                 d["al"][bm] = moe_api.align(d["ids"], n_local=s.E, block_m=bm)
             return d["al"][bm]
 
-        base_up, base_down = split(heuristic)
+        def partner(bm: int, which: str) -> moe_api.GemmConfig:
+            """Small tiles that fit any device (no wider than the matrix): the other GEMM of a check, and the gate_up
+            before a timed down."""
+            cols, k = (s.I, s.H) if which == "gate_up" else (s.H, s.I)
+            return moe_api.GemmConfig(bm, max(16, min(32, _pow2_below(cols))), max(16, min(64, _pow2_below(k))), 4, 2)
 
-        def at(cfg: moe_api.GemmConfig, bm: int) -> moe_api.GemmConfig:
-            return moe_api.GemmConfig(bm, cfg.BLOCK_N, cfg.BLOCK_K, cfg.num_warps, cfg.num_stages)
-
-        def hidden(d: dict, bm: int) -> torch.Tensor:  # gate_up's output by the heuristic's tiles at this BLOCK_M
+        def hidden(d: dict, bm: int) -> torch.Tensor:  # gate_up's output at this BLOCK_M (the down GEMM's input)
             if bm not in d["h"]:
-                d["h"][bm] = moe_api.gate_up(d["x"], w13, None, alignment(d, bm), s.top_k, at(base_up, bm))
+                d["h"][bm] = moe_api.gate_up(d["x"], w13, None, alignment(d, bm), s.top_k, partner(bm, "gate_up"))
             return d["h"][bm]
 
         def reference() -> torch.Tensor:
@@ -427,11 +439,11 @@ class MoeGemm(Tunable):
             bm = up.BLOCK_M
             return [
                 Part(key=("gate_up", up), graph=graph,
-                     check=lambda: [("out", pipeline(up, at(base_down, bm)), reference())],
+                     check=lambda: [("out", pipeline(up, partner(bm, "down")), reference())],
                      calls=lambda: [functools.partial(moe_api.gate_up, d["x"], w13, None, alignment(d, bm), s.top_k,
                                                       up) for d in sets]),
                 Part(key=("down", down), graph=graph,
-                     check=lambda: [("out", pipeline(at(base_up, bm), down), reference())],
+                     check=lambda: [("out", pipeline(partner(bm, "gate_up"), down), reference())],
                      calls=lambda: [functools.partial(moe_api.down, hidden(d, bm), w2, None, alignment(d, bm),
                                                       d["weights"], down) for d in sets]),
             ]
@@ -444,3 +456,66 @@ TUNABLES: dict[str, Tunable] = {t.name: t for t in (GdnScan(), GdnStep(), MoeGem
 # op-table names (and the config files) that select a tunable
 ALIASES: dict[str, str] = {"gdn_chunk_prefill": "gdn_chunk_scan", "moe_experts": "moe_gemm", "moe_block": "moe_gemm",
                            "moe_gate_up": "moe_gemm", "moe_down": "moe_gemm"}
+
+
+# ----------------------------------------------------------------------------- compile warm-up in other processes
+
+_WARM: dict = {}  # in a warm-up process: the workloads of the task it warmed last
+
+
+def warm_one(spec: tuple, cand: dict) -> str | None:
+    """In a warm-up process: run every part of ``cand`` once on the task's timing inputs, which compiles its kernels
+    into Triton's on-disk cache. None, or why it failed (the process exits at its next call once its CUDA context
+    is lost)."""
+    if _WARM.get("dead"):
+        os._exit(70)
+    if _WARM.get("spec") != spec:
+        _WARM.clear()
+        name, rank, dtype, bucket, limits = spec
+        (task,) = TUNABLES[name].tasks(rank, dtype, [bucket], limits)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        _WARM.update(spec=spec, device=device, workloads=task.workloads(device))
+    try:
+        for wl in _WARM["workloads"]:
+            for part in wl.parts(cand):
+                part.calls()[0]()
+        if _WARM["device"].type == "cuda":
+            torch.cuda.synchronize(_WARM["device"])
+    except Exception as e:  # noqa: BLE001 - what failed is the answer
+        if not device_alive(_WARM["device"]):
+            _WARM["dead"] = True
+            return f"lost the CUDA context in the compile warm-up: {reason(e)}"
+        return f"{reason(e)} (in the compile warm-up)"
+    return None
+
+
+class WarmPool:
+    """``jobs`` processes that compile candidates ahead of the run loop (:meth:`TaskRun.prewarm`); a candidate that
+    fails there is rejected without running in the tuning process. A pool whose process died is replaced; the
+    candidates it had not finished are left to the run loop."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs = jobs
+        self.pool: ProcessPoolExecutor | None = None
+
+    def __call__(self, task: Task, cands: list[dict]) -> dict[tuple, str]:
+        if self.pool is None:
+            self.pool = ProcessPoolExecutor(self.jobs, mp_context=multiprocessing.get_context("spawn"))
+        futures = [(tuple(sorted(c.items())), self.pool.submit(warm_one, task.spec, c)) for c in cands]
+        failed, broken = {}, False
+        for key, future in futures:
+            try:
+                why = future.result(timeout=900)
+            except Exception:  # noqa: BLE001 - a dead process or a timeout: the run loop tries it itself
+                broken, why = True, None
+            if why:
+                failed[key] = f"crashed: {why}"
+        if broken:
+            self.close()
+        return failed
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = None

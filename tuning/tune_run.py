@@ -100,6 +100,7 @@ class Task:
     entries: Callable[[dict], dict[str, dict]]  # candidate -> {config file op: the fields its entry holds}
     explicit: list[dict] | None = None  # try exactly these (in order, not pruned) instead of searching
     note: str = ""
+    spec: tuple | None = None  # what rebuilds the task in another process (compile warm-up), None: nothing
 
     @property
     def name(self) -> str:
@@ -217,7 +218,8 @@ class ContextLost(RuntimeError):
     """A candidate left the CUDA context unusable: the process cannot go on (the candidate is recorded)."""
 
 
-def _device_alive(device: torch.device) -> bool:
+def device_alive(device: torch.device) -> bool:
+    """Whether the device still runs work (a candidate that faults leaves the CUDA context unusable)."""
     if device.type != "cuda":
         return True
     try:
@@ -227,7 +229,8 @@ def _device_alive(device: torch.device) -> bool:
         return False
 
 
-def _reason(e: BaseException) -> str:
+def reason(e: BaseException) -> str:
+    """A rejection reason for an exception: its type and message, on one line."""
     return f"crashed: {type(e).__name__}: {' '.join(str(e).split())[:200]}"
 
 
@@ -258,8 +261,10 @@ class Outcome:
 class TaskRun:
     """The search of one task on its workloads (see the module docstring)."""
 
-    def __init__(self, task: Task, device: torch.device, timer: Timer, crashed: set[tuple]) -> None:
-        self.task, self.device, self.timer, self.crashed = task, device, timer, crashed
+    def __init__(self, task: Task, device: torch.device, timer: Timer, crashed: set[tuple],
+                 warm: Callable[[Task, list[dict]], dict[tuple, str]] | None = None) -> None:
+        self.task, self.device, self.timer, self.crashed, self.warm = task, device, timer, crashed, warm
+        self.prefailed: dict[tuple, str] = {}  # candidates the compile warm-up saw fail
         self.workloads = task.workloads(device)
         self.memo: list[dict] = [{} for _ in self.workloads]  # per workload: part key -> ms or reason (str)
         self.base_errors: list[dict] = [{} for _ in self.workloads]
@@ -280,8 +285,8 @@ class TaskRun:
             why = judge(errors, None if baseline else self.base_errors[w], self.task.tolerance)
             memo[part.key] = why if why else self.timer(part)
         except Exception as e:  # noqa: BLE001 - a crashing candidate is a rejected one
-            memo[part.key] = _reason(e)
-            if not _device_alive(self.device):
+            memo[part.key] = reason(e)
+            if not device_alive(self.device):
                 raise ContextLost(memo[part.key]) from e
         return memo[part.key]
 
@@ -307,6 +312,8 @@ class TaskRun:
         why = f"excluded: {why}" if why else None
         if why is None and key in self.crashed:
             why = "crashed: lost the CUDA context in an earlier run"
+        if why is None and key in self.prefailed:
+            why = self.prefailed[key]
         if why is None:
             per = []
             for w, wl in enumerate(self.workloads):
@@ -327,6 +334,24 @@ class TaskRun:
             self.order.append(cand)
             self.on_candidate()
         return self.results[key]
+
+    def prewarm(self, cands: list[dict]) -> None:
+        """Compile the candidates not tried yet in the warm-up processes, all at once (Triton's cache then has them
+        when they are checked and timed here, one by one); those that fail there are rejected without running
+        here."""
+        if self.warm is None or self.task.spec is None:
+            return
+        todo, seen = [], set()
+        for c in cands:
+            key = _ckey(c)
+            if key in self.results or key in self.prefailed or key in self.crashed or key in seen:
+                continue
+            if self.task.explicit is None and self.task.excluded(c) is not None:
+                continue
+            seen.add(key)
+            todo.append(c)
+        if todo:
+            self.prefailed.update(self.warm(self.task, todo))
 
     def score(self, per: list[float], base: list[float]) -> float:
         return sum(p / b for p, b in zip(per, base, strict=True)) / len(per)
@@ -351,16 +376,21 @@ class TaskRun:
                     best, best_score = c, s
 
         if self.task.explicit is not None:
+            self.prewarm(self.task.explicit)
             for c in self.task.explicit:
                 if time.time() > until and best is not None:
                     return best, True
                 consider(c)
             return best, False
-        for c in self.task.seeds(self.workloads, from_scratch):
+        seeds = self.task.seeds(self.workloads, from_scratch)
+        self.prewarm(seeds)
+        for c in seeds:
             consider(c)
         while best is not None:
             before = best_score
-            for c in self._neighbours(best):
+            neighbours = self._neighbours(best)
+            self.prewarm(neighbours)
+            for c in neighbours:
                 if time.time() > until:
                     return best, True
                 consider(c)
@@ -409,8 +439,9 @@ class TaskRun:
 
 
 def tune_task(task: Task, device: torch.device, timer: Timer, from_scratch: bool, until: float,
-              crashed: set[tuple], on_candidate: Callable[[TaskRun], None] = lambda run: None) -> Outcome:
-    run = TaskRun(task, device, timer, crashed)
+              crashed: set[tuple], on_candidate: Callable[[TaskRun], None] = lambda run: None,
+              warm: Callable[[Task, list[dict]], dict[tuple, str]] | None = None) -> Outcome:
+    run = TaskRun(task, device, timer, crashed, warm)
     run.on_candidate = lambda: on_candidate(run)
     try:
         base = run.baseline()
@@ -657,9 +688,11 @@ def _save_crashed(files: ConfigFiles, crashed: dict[str, set[tuple]]) -> None:
 
 
 def run_tasks(tasks: list[Task], device: torch.device, out: Path, budget_s: float, from_scratch: bool,
-              prov: dict, outcomes: list[Outcome], stream=None) -> list[Outcome]:  # noqa: ANN001
+              prov: dict, outcomes: list[Outcome], stream=None,  # noqa: ANN001 - a text stream
+              warm: Callable[[Task, list[dict]], dict[tuple, str]] | None = None) -> list[Outcome]:
     """Tune every task not already in the files under ``out`` within ``budget_s`` seconds, writing each finished
-    bucket at once; appends to ``outcomes`` as it goes (the caller keeps them through a Ctrl-C)."""
+    bucket at once; appends to ``outcomes`` as it goes (the caller keeps them through a Ctrl-C). ``warm``: compiles
+    a list of candidates of a task in other processes first (:class:`tuning.tune_ops.WarmPool`)."""
     files = ConfigFiles(out, bench_api_device_name(device), prov)
     crashed = _load_crashed(files)
     timer = Timer(device)
@@ -681,12 +714,12 @@ def run_tasks(tasks: list[Task], device: torch.device, out: Path, budget_s: floa
         until = now + (deadline - now) / (len(todo) - i)
         mine = crashed.setdefault(f"{task.tunable} {task.label}", set())
         try:
-            result = tune_task(task, device, timer, from_scratch, until, mine, progress.tick)
+            result = tune_task(task, device, timer, from_scratch, until, mine, progress.tick, warm)
         except ContextLost:
             _save_crashed(files, crashed)
             raise
         except Exception as e:  # noqa: BLE001 - one bucket's failure does not stop the others
-            result = Outcome(task, "failed", note=_reason(e))
+            result = Outcome(task, "failed", note=reason(e))
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
         if result.status in ("tuned", "heuristic"):
