@@ -28,6 +28,7 @@ SIZES = {"27b": (16, 48, None), "35b-a3b": (16, 32, (256, 8, 2048, 512)), "122b-
 def no_interpreter(monkeypatch):
     """Plans as on a machine without a GPU (no kernel runs here): for an sm_90 device."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
 
 
 def _plan(*argv: str) -> tuple:
