@@ -223,3 +223,37 @@ def test_tuning_without_a_gpu_exits_2_and_the_dry_run_works(capsys, tmp_path):
     assert tune.main(["--model", "35b-a3b", "--dry-run", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "no GPU here" in out and "moe_gate_up.json, moe_down.json" in out
+
+
+# ----------------------------------------------------------------------------- the probe's report
+
+
+def test_the_probe_names_the_config_files_behind_each_op(tmp_path, monkeypatch, fresh_probe):
+    import triton
+
+    monkeypatch.setenv("QWEN35_CONFIG_DIR", str(tmp_path))
+    bench_api.clear_config_cache()
+    try:
+        h200 = fresh_probe.DeviceCaps(device="cuda:0", vendor="nvidia", name="NVIDIA H200", capability=(9, 0))
+        shipped = bench_api.shipped_config_dir() / "nvidia_h200"
+        assert fresh_probe.config_files("moe_block", "triton", h200) == [str(shipped / "moe_gate_up.json"),
+                                                                         str(shipped / "moe_down.json")]
+        assert fresh_probe.config_files("gdn_chunk_prefill", "triton", h200) == "heuristic"
+        assert fresh_probe.config_files("rms_norm_gated", "triton", h200) == "heuristic"
+        assert fresh_probe.config_files("moe_block", "cuda_sm70", h200) == "heuristic"
+        cpu = fresh_probe.device_caps("cpu")
+        path = tmp_path / "cpu" / "gdn_recurrent_step.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps({"device": "cpu", "op": "gdn_recurrent_step", "triton": triton.__version__,
+                                    "search_space": bench_api.declared_hash("gdn_recurrent_step"),
+                                    "entries": {"HV=4,V=32": {"1": {"BV": 16, "num_warps": 1}}}}))
+        bench_api.clear_config_cache()
+        assert fresh_probe.config_files("gdn_recurrent_step", "triton", cpu) == [str(path)]
+        path.write_text("{")
+        bench_api.clear_config_cache()
+        assert fresh_probe.config_files("gdn_recurrent_step", "triton", cpu) == "heuristic"
+        rows = fresh_probe.report("cpu")["ops"]
+        assert [r["op"] for r in rows] == list(fresh_probe.optable.NAMES)
+        assert all(r["config"] == "heuristic" for r in rows)  # the CPU runs the reference
+    finally:
+        bench_api.clear_config_cache()
