@@ -26,7 +26,7 @@ import triton.language as tl  # noqa: E402
 from kernels_triton import bench_api  # noqa: E402
 from kernels_triton.gdn import bench_api as gdn_api  # noqa: E402
 from qwen35.tiny import TinySpec, config_json  # noqa: E402
-from tuning import tune, tune_run  # noqa: E402
+from tuning import tune, tune_files, tune_run  # noqa: E402
 from tuning.tune_model import load_model, shard  # noqa: E402
 from tuning.tune_ops import GdnStep, WarmPool  # noqa: E402
 from tuning.tune_run import Part, Task, Workload  # noqa: E402
@@ -73,7 +73,7 @@ def double_task(candidates: list[int], heuristic: int) -> Task:
 
 
 def _prov() -> dict:
-    return tune_run.provenance(CPU, ["--test"])
+    return tune_files.provenance(CPU, ["--test"])
 
 
 def _entry(out: Path, op: str, key: str, bucket: int) -> dict:
@@ -238,9 +238,9 @@ def test_an_interrupt_keeps_valid_files_and_a_rerun_continues(tmp_path):
 
 def test_writes_are_atomic(tmp_path):
     path = tmp_path / "x.json"
-    tune_run.atomic_write_json(path, {"a": 1})
+    tune_files.atomic_write_json(path, {"a": 1})
     with pytest.raises(TypeError):
-        tune_run.atomic_write_json(path, {"a": object()})
+        tune_files.atomic_write_json(path, {"a": object()})
     assert json.loads(path.read_text()) == {"a": 1} and [p.name for p in tmp_path.iterdir()] == ["x.json"]
 
 

@@ -31,19 +31,10 @@ import torch
 from kernels_triton import bench_api
 from qwen35 import optable
 from tuning import _bench
+from tuning.tune_files import atomic_write_json, provenance
 from tuning.tune_model import PRESETS, TPS, USUAL_TP, BadInput, RankShapes, load_model, shard
 from tuning.tune_ops import ALIASES, BACKENDS, TUNABLES, UNTUNED, WarmPool
-from tuning.tune_run import (
-    SUMMARY_COLUMNS,
-    ContextLost,
-    Outcome,
-    Task,
-    atomic_write_json,
-    geomean_speedup,
-    provenance,
-    run_tasks,
-    summary_rows,
-)
+from tuning.tune_run import SUMMARY_COLUMNS, ContextLost, Outcome, Task, geomean_speedup, run_tasks, summary_rows
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DECODE_BUCKETS = (1, 4, 16, 64, 256)  # decode batch rows (MoE: tokens)
