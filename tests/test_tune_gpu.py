@@ -18,7 +18,7 @@ pytestmark = pytest.mark.gpu
 def test_a_short_run_writes_configs_the_ops_use(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("QWEN35_CONFIG_DIR", str(tmp_path))
     argv = ["--model", "397b-a17b", "--tp", "8", "--decode-buckets", "16", "--prefill-buckets", "4096",
-            "--budget-min", "3", "--summary", str(tmp_path / "summary")]
+            "--budget-min", "1.5", "--summary", str(tmp_path / "summary")]
     assert tune.main(argv) == 0
     name = torch.cuda.get_device_name()
     folder = tmp_path / bench_api.device_slug(name)

@@ -10,7 +10,8 @@ reference, timed, and the fastest is written when it beats the op's heuristic (:
 Files go to ``<out>/<device slug>/<op>.json`` (``--out`` defaults to the user config directory, which the kernels
 read at first use, over the configs that ship in ``kernels_triton/configs``). Finished buckets are written at once:
 Ctrl-C keeps them and a rerun skips them. ``--from-scratch`` starts every search from the heuristic alone (the
-configs already in files are neither seeds nor skipped; their time is still reported as ``before_ms``).
+configs already in files are not seeds; their time is still reported as ``before_ms``). A rerun skips the buckets
+already in the ``--out`` files (delete a file to tune its op again).
 
 Bad input (unknown preset, op, dtype or backend, a malformed config.json, a TP that does not divide the heads) exits
 with status 2 and one line naming the value and what is accepted; so does tuning without a GPU (``--dry-run``
@@ -34,7 +35,16 @@ from tuning import _bench
 from tuning.tune_files import atomic_write_json, provenance
 from tuning.tune_model import PRESETS, TPS, USUAL_TP, BadInput, RankShapes, load_model, shard
 from tuning.tune_ops import ALIASES, BACKENDS, TUNABLES, UNTUNED, WarmPool
-from tuning.tune_run import SUMMARY_COLUMNS, ContextLost, Outcome, Task, geomean_speedup, run_tasks, summary_rows
+from tuning.tune_run import (
+    SUMMARY_COLUMNS,
+    ContextLost,
+    Outcome,
+    Task,
+    geomean,
+    geomean_speedup,
+    run_tasks,
+    summary_rows,
+)
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DECODE_BUCKETS = (1, 4, 16, 64, 256)  # decode batch rows (MoE: tokens)
@@ -226,9 +236,14 @@ def main(argv: list[str] | None = None) -> int:
     gain = geomean_speedup(outcomes)
     if gain is not None:
         print(f"geomean speedup over the heuristic (buckets measured in this run): {gain:.3f}x")
+    vs_before = [r["vs_before"] for r in rows if r["vs_before"]]
+    if vs_before:
+        print(f"against the configs in files before the run ({len(vs_before)} buckets): geomean "
+              f"{geomean(vs_before):.3f}x, lowest {min(vs_before):.3f}x")
     if args.summary:
         meta = {**prov, "model": rank.model, "tp": rank.tp, "dtype": args.dtype, "budget_min": args.budget_min,
-                "from_scratch": args.from_scratch, "geomean_speedup": gain, "usual_tp": USUAL_TP.get(rank.model)}
+                "from_scratch": args.from_scratch, "geomean_speedup": gain, "usual_tp": USUAL_TP.get(rank.model),
+                "geomean_vs_before": geomean(vs_before), "lowest_vs_before": min(vs_before, default=None)}
         print(f"wrote {write_summary(Path(args.summary), prov['device'], rank, rows, meta)}")
     return status
 

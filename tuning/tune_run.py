@@ -107,14 +107,16 @@ class Task:
 
 def output_errors(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     """(relative error by norm, largest error over the largest reference value); inf for a non-finite output."""
-    g, w = got.detach().double().cpu(), want.detach().double().cpu()
-    if g.shape != w.shape:
-        raise ValueError(f"output shape {tuple(g.shape)} != reference {tuple(w.shape)}")
-    if not torch.isfinite(g).all():
+    if got.shape != want.shape:
+        raise ValueError(f"output shape {tuple(got.shape)} != reference {tuple(want.shape)}")
+    if not got.numel():
+        return 0.0, 0.0
+    g, w = got.detach().double(), want.detach().to(got.device, torch.float64)  # on the device: scalars come back
+    if not bool(torch.isfinite(g).all()):
         return math.inf, math.inf
     diff = g - w
     rel = float(diff.norm() / w.norm().clamp_min(1e-30))
-    peak = float(diff.abs().max() / w.abs().max().clamp_min(1e-30)) if diff.numel() else 0.0
+    peak = float(diff.abs().max() / w.abs().max().clamp_min(1e-30))
     return rel, peak
 
 
@@ -579,24 +581,33 @@ def run_tasks(tasks: list[Task], device: torch.device, out: Path, budget_s: floa
 
 
 def summary_rows(outcomes: list[Outcome]) -> list[dict]:
-    """The final table's rows: op, shape, bucket, heuristic ms, tuned ms, speedup, rejected, result."""
+    """The final table's rows: op, shape, bucket, heuristic ms, tuned ms (none where the heuristic stays), speedup
+    over the heuristic, the time of what the files gave before (``before_ms``, where it is not the heuristic) and
+    the chosen config's speed relative to it (``vs_before``), rejected candidates, result."""
     rows = []
     for o in outcomes:
         tuned = o.tuned_ms if o.status == "tuned" else None
+        chosen = tuned if tuned else o.heuristic_ms if o.status == "heuristic" else None
         rows.append({"op": o.task.tunable, "shape": o.task.label, "bucket": o.task.bucket,
                      "heuristic_ms": rounded(o.heuristic_ms), "tuned_ms": rounded(tuned),
                      "speedup": round(o.heuristic_ms / tuned, 3) if tuned and o.heuristic_ms else None,
-                     "before_ms": rounded(o.before_ms), "rejected": len(o.rejected) if o.tried else None,
+                     "before_ms": rounded(o.before_ms),
+                     "vs_before": round(o.before_ms / chosen, 3) if o.before_ms and chosen else None,
+                     "rejected": len(o.rejected) if o.tried else None,
                      "result": o.status if not o.note or o.status == "tuned" else f"{o.status}: {o.note}"})
     return rows
 
 
-SUMMARY_COLUMNS = ["op", "shape", "bucket", "heuristic_ms", "tuned_ms", "speedup", "before_ms", "rejected", "result"]
+SUMMARY_COLUMNS = ["op", "shape", "bucket", "heuristic_ms", "tuned_ms", "speedup", "before_ms", "vs_before",
+                   "rejected", "result"]
+
+
+def geomean(xs: list[float]) -> float | None:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
 
 
 def geomean_speedup(outcomes: list[Outcome]) -> float | None:
     """Geometric mean over the buckets measured in this run of heuristic / chosen time (1 where the heuristic
     stays)."""
-    xs = [o.heuristic_ms / o.tuned_ms if o.status == "tuned" else 1.0 for o in outcomes
-          if o.status in ("tuned", "heuristic") and o.heuristic_ms]
-    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else None
+    return geomean([o.heuristic_ms / o.tuned_ms if o.status == "tuned" else 1.0 for o in outcomes
+                    if o.status in ("tuned", "heuristic") and o.heuristic_ms])
