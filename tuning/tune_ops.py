@@ -369,14 +369,21 @@ class MoeGemm(Tunable):
         BLOCK_M in the space (made to fit: more warps, then narrower tiles)."""
         base = wls[0].baseline
         seeds = [base] + ([] if scratch or wls[0].current is None else [wls[0].current])
+        shapes = {"up": ("gate_up", 2 * s.I, s.H), "down": ("down", s.H, s.I)}
         for bm in moe_api.SEARCH_SPACE["BLOCK_M"]:
             if bm != base["BLOCK_M"] and bm <= moe_api.block_m_cap(M, s.top_k, s.E):
                 c = {**base, "BLOCK_M": bm}
-                for axis_n, axis_w in (("up_N", "up_warps"), ("down_N", "down_warps")):
-                    while self.excluded(c, s, M, dtype, limits) and c[axis_w] < 8:
-                        c[axis_w] *= 2
-                    while self.excluded(c, s, M, dtype, limits) and c[axis_n] > 16:
-                        c[axis_n] //= 2
+                for side, (which, N, K) in shapes.items():
+                    def out(c: dict = c, side: str = side, which: str = which, N: int = N, K: int = K) -> bool:
+                        gemm = split(c)[0 if side == "up" else 1]
+                        return moe_api.excluded(which, gemm, M, s.top_k, s.E, N, K, dtype, limits) is not None
+
+                    while out() and c[f"{side}_warps"] < 8:
+                        c[f"{side}_warps"] *= 2
+                    while out() and c[f"{side}_N"] > 16:
+                        c[f"{side}_N"] //= 2
+                    while out() and c[f"{side}_stages"] > 2:
+                        c[f"{side}_stages"] -= 1
                 seeds.append(c)
         return seeds
 
