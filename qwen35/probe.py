@@ -490,14 +490,31 @@ def report(device: torch.device | str | None = None, dtype: torch.dtype | None =
     """Device facts, the choice for every op of the table (for activations of ``dtype``; None: the device's
     default), the ``cuda_sm70`` build's facts when this process built or loaded it, and the ``QWEN35_*``
     switches set (declared ones with their values; undeclared ones, which nothing reads, by name), as plain
-    data."""
+    data. Each op's row names the tuned-config files its backend reads here (``config``: paths, or
+    ``"heuristic"``)."""
     caps = device_caps(device)
     rows = [asdict(choose(op, caps.device, dtype)) for op in optable.NAMES]
+    for row in rows:
+        row["config"] = config_files(row["op"], row["backend"], caps)
     facts = asdict(caps)
     facts["platform"] = caps.platform
     facts["compute_dtype"] = str(caps.compute_dtype).replace("torch.", "")
     return {"device": facts, "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
             "build": build_facts(), "switches": knobs.active(), "unknown_switches": knobs.unknown(), "ops": rows}
+
+
+def config_files(op: str, backend: str, caps: DeviceCaps) -> list[str] | str:
+    """The tuned-config files (package data and the user's, ``qwen35-tune``'s output) behind ``op`` when
+    ``backend`` runs it on this device, or ``"heuristic"``: the op's launch rule alone."""
+    if backend != "triton":
+        return "heuristic"
+    try:
+        from kernels_triton.bench_api import config_sources
+
+        files = config_sources(op, "cpu" if caps.vendor == "cpu" else caps.name)
+    except Exception:  # noqa: BLE001 - the report names what it can; the kernels fall back the same way
+        return "heuristic"
+    return files or "heuristic"
 
 
 def format_build(facts: dict | None) -> str:

@@ -1,7 +1,8 @@
-"""MoE benchmark and tuner: Triton ``kernels_triton.moe`` vs a ``torch._grouped_mm`` pipeline vs the roofline.
+"""MoE benchmark: Triton ``kernels_triton.moe`` vs a ``torch._grouped_mm`` pipeline vs the roofline.
 
     python -m tuning.bench_moe --out DIR [--quick]           # benchmark -> DIR/moe_<device>.json
-    python -m tuning.bench_moe --out DIR --tune [--quick]    # sweep GEMM configs -> DIR/configs/<device>/moe_*.json
+
+Launch configs are tuned by ``qwen35-tune`` (:mod:`tuning.tune`), not here.
 
 What is timed: the routed part of a Qwen3.5 MoE block, routing included (router GEMM, softmax /
 top-k / renormalise, then the experts and the weighted top-k sum), bf16. Ours is one
@@ -19,14 +20,11 @@ Roofline: ``mem_floor_ms`` = bytes of the experts the routing actually picked (3
 the router, over the measured copy bandwidth; ``flop_floor_ms`` = 6*M*k*H*I + 2*M*E*H FLOP over the
 measured bf16 matmul rate. ``x_mem_floor`` = ours / mem floor (target <= 1.5 for M <= 16);
 ``TFLOPs`` counts the expert FLOPs only (target >= 400 for M >= 4096).
-Tuning times each GEMM alone on real routings for a few BLOCK_M values and candidate tiles,
-and keeps per token bucket the BLOCK_M whose gate_up + down sum is least.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -50,15 +48,6 @@ QUICK_SHAPES, QUICK_MS = ("35B-A3B", "397B-A17B-TP8"), (1, 16, 1024, 16384)
 GRAPH_MAX_M = 256
 BREAKDOWN_MS = (1, 16, 1024, 4096, 8192, 16384)
 SHARED_BREAKDOWN_MAX_M = 16
-TUNE_MS = (1, 16, 64, 256, 1024, 4096, 16384)
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) candidates; the heuristic's pick is always added
-SMALL_UP = [(32, 256, 4, 4), (64, 128, 4, 4), (16, 256, 4, 4), (32, 128, 4, 6), (64, 256, 4, 3)]
-SMALL_DOWN = [(64, 128, 4, 4), (32, 256, 4, 4), (128, 128, 4, 4), (64, 256, 4, 3), (128, 64, 4, 5), (128, 256, 4, 2)]
-# large tiles: at M >= 4096 the GEMMs are L2-bound with 64-row tiles, so mostly 128 x 256 (outputs) candidates
-LARGE_UP = [(128, 64, 8, 4), (128, 64, 8, 3), (256, 64, 8, 3), (64, 64, 4, 4)]
-LARGE_DOWN = [(256, 64, 8, 4), (256, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (256, 128, 8, 2),
-              (128, 128, 4, 2)]  # two stages: a short K (TP8: 128) loop has nothing to pipeline; more CTAs per SM
-MAX_ACC = 32768  # fp32 accumulator elements per program (gate_up holds two): more spills at 8 warps
 
 
 # ----------------------------------------------------------------------------- the two pipelines
@@ -279,156 +268,16 @@ def run_benchmark(out: Path, shapes: list[str], ms: list[int],
     return rows
 
 
-# ----------------------------------------------------------------------------- tuning
-
-
-def _candidates(which: str, block_m: int, N: int, K: int, heuristic) -> list:  # noqa: ANN001
-    from kernels_triton.moe.bench_api import GemmConfig
-
-    table = (SMALL_UP if which == "gate_up" else SMALL_DOWN) if block_m <= 32 else (
-        LARGE_UP if which == "gate_up" else LARGE_DOWN)
-    n_cols = N // 2 if which == "gate_up" else N
-    out = [GemmConfig(block_m, heuristic.BLOCK_N, heuristic.BLOCK_K, heuristic.num_warps, heuristic.num_stages)]
-    for bn, bk, warps, stages in table:
-        c = GemmConfig(block_m, bn, bk, warps, stages)
-        acc = block_m * bn * (2 if which == "gate_up" else 1)
-        if bn <= n_cols and bk <= K and acc <= MAX_ACC and c not in out:
-            out.append(c)
-    return out
-
-
-def _fastest(fn_of_cfg, cands: list, M: int, which: str, tried: list) -> list:  # noqa: ANN001
-    """[(ms, cfg)] for the candidates that ran, fastest first; failures (e.g. out of shared memory) logged."""
-    timed = []
-    for cfg in cands:
-        try:
-            ms, _ = _time(lambda cfg=cfg: fn_of_cfg(cfg), M)
-        except Exception as e:  # noqa: BLE001 - skip the candidate
-            tried.append(dict(which=which, cfg=cfg.as_dict(), error=f"{type(e).__name__}: {str(e)[:80]}"))
-            torch.cuda.synchronize()
-            continue
-        timed.append((ms, cfg))
-        tried.append(dict(which=which, cfg=cfg.as_dict(), ms=round(ms, 5)))
-    return sorted(timed, key=lambda t: t[0])
-
-
-def tune_point(name: str, M: int, w: dict) -> dict:
-    """Best (gate_up, down) configs at M for one shape, with the heuristic's time for comparison."""
-    from kernels_triton.moe import bench_api as moe
-    from kernels_triton.moe.bench_api import GemmConfig
-
-    E, k, H, I = SHAPES[name]
-    x = _x(M, H, seed=7)
-    weights, ids = _routing(x, w, k)
-    h_bm = moe.block_m_for(M, k, E)
-    order = [16, 32, 64, 128]
-    i = order.index(h_bm)
-    block_ms = [h_bm] if M <= 16 else order[max(0, i - 1):i + 2]
-    heur = {"gate_up": moe.heuristic("gate_up", M, k, E, 2 * I, H), "down": moe.heuristic("down", M, k, E, H, I)}
-    best, tried, heuristic_ms = None, [], None
-    for bm in block_ms:
-        al = moe.align(ids, n_local=E, block_m=bm)
-        up = _fastest(lambda cfg, al=al: moe.gate_up(x, w["w13"], None, al, k, cfg),
-                      _candidates("gate_up", bm, 2 * I, H, heur["gate_up"]), M, "gate_up", tried)
-        if not up:
-            continue
-        h = moe.gate_up(x, w["w13"], None, al, k, up[0][1])
-        down = _fastest(lambda cfg, al=al, h=h: moe.down(h, w["w2"], None, al, weights, cfg),
-                        _candidates("down", bm, H, I, heur["down"]), M, "down", tried)
-        if not down:
-            continue
-        total = up[0][0] + down[0][0]
-        if best is None or total < best[0]:
-            best = (total, up[0][1], down[0][1])
-        if bm == h_bm:
-            as_bm = {which: GemmConfig(bm, *[getattr(c, f) for f in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")])
-                     for which, c in heur.items()}
-            up_h = [t for t, c in up if c == as_bm["gate_up"]]
-            down_h = [t for t, c in down if c == as_bm["down"]]
-            if up_h and down_h:
-                heuristic_ms = round(up_h[0] + down_h[0], 5)
-    if best is None:
-        raise RuntimeError(f"no candidate ran for {name} M={M}: {tried[-3:]}")
-    return dict(shape=name, M=M, best_ms=round(best[0], 5), heuristic_ms=heuristic_ms,
-                gate_up=best[1].as_dict(), down=best[2].as_dict(), tried=tried)
-
-
-def run_tuning(out: Path, shapes: list[str], ms: list[int], budget_s: float, merge: bool = False) -> list[dict]:
-    from kernels_triton.bench_api import shipped_config_dir
-    from kernels_triton.moe import bench_api as moe
-
-    t_start = time.time()
-    slug = _config_slug()
-    docs = {op: {"device": _bench.device_name(), "op": op, "triton": _triton_version(), "entries": {}}
-            for op in (moe.GATE_UP_OP, moe.DOWN_OP)}
-    if merge:  # start from the shipped files: points not tuned now keep their entries
-        for op, doc in docs.items():
-            path = shipped_config_dir() / slug / f"{op}.json"
-            if path.is_file():
-                doc["entries"] = json.loads(path.read_text()).get("entries", {})
-    points = []
-    for M in ms:  # bucket-major: every shape gets its decode and prefill points before the budget runs out
-        for name in shapes:
-            points.append((M, name))
-    weights = {}
-    results = []
-    for M, name in points:
-        if time.time() - t_start > budget_s:
-            print(f"tuning budget {budget_s:.0f}s spent; {name} M={M} and later left to the heuristic", flush=True)
-            break
-        E, k, H, I = SHAPES[name]
-        if name not in weights:
-            weights[name] = _weights(E, H, I)
-        t0 = time.time()
-        try:
-            r = tune_point(name, M, weights[name])
-        except Exception as e:  # noqa: BLE001
-            traceback.print_exc()
-            results.append(dict(shape=name, M=M, error=f"{type(e).__name__}: {str(e)[:300]}"))
-            continue
-        results.append(r)
-        for dtype in ("bfloat16", "float16"):  # fp16 runs the same tensor-core rates: same tiles
-            for op, key, cfg in ((moe.GATE_UP_OP, f"E={E},N={2 * I},K={H},dtype={dtype}", r["gate_up"]),
-                                 (moe.DOWN_OP, f"E={E},N={H},K={I},dtype={dtype}", r["down"])):
-                docs[op]["entries"].setdefault(key, {})[str(M)] = dict(cfg, M=M)  # M: an entry serves M/4..4M
-        print(f"  tuned {name} M={M}: {r['best_ms']} ms (heuristic {r['heuristic_ms']}) up {r['gate_up']} "
-              f"down {r['down']} ({time.time() - t0:.1f}s)", flush=True)
-        _write_tuning(out, slug, docs, results)  # after every point: a killed run keeps what it found
-    _write_tuning(out, slug, docs, results)
-    print(f"wrote {out / 'configs' / slug} and {out / 'moe_tune.json'} in {time.time() - t_start:.0f}s")
-    return results
-
-
-def _write_tuning(out: Path, slug: str, docs: dict, results: list[dict]) -> None:
-    cfg_dir = out / "configs" / slug
-    cfg_dir.mkdir(parents=True, exist_ok=True)
-    for op, doc in docs.items():
-        (cfg_dir / f"{op}.json").write_text(json.dumps(doc, indent=1, sort_keys=True))
-    (out / "moe_tune.json").write_text(json.dumps(results, indent=1))
-
-
 def _config_slug() -> str:
     from kernels_triton.bench_api import device_slug
 
     return device_slug(_bench.device_name())
 
 
-def _triton_version() -> str | None:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench_moe", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="directory for the JSON results (and configs with --tune)")
+    ap.add_argument("--out", required=True, help="directory for the JSON results")
     ap.add_argument("--quick", action="store_true", help=f"shapes {QUICK_SHAPES}, M in {QUICK_MS}")
-    ap.add_argument("--tune", action="store_true", help="sweep GEMM configs instead of benchmarking")
-    ap.add_argument("--tune-budget-s", type=float, default=150.0, help="stop tuning after this many seconds")
-    ap.add_argument("--merge", action="store_true", help="with --tune: keep the shipped entries not re-tuned")
     ap.add_argument("--shapes", default=None, help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--ms", default=None, help="comma-separated token counts")
     ap.add_argument("--down-flat", action="store_true", help="sweep the down GEMM's column tiles per program")
@@ -461,12 +310,8 @@ def main(argv: list[str] | None = None) -> int:
 
         sweep_moe.decode_sweep(out, shapes)
         return 0
-    if args.tune:
-        ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else TUNE_MS)
-        run_tuning(out, shapes, ms, args.tune_budget_s, merge=args.merge)
-    else:
-        ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else MS)
-        run_benchmark(out, shapes, ms, args.shared_breakdown_max_m, tag=args.tag)
+    ms = [int(m) for m in args.ms.split(",")] if args.ms else list(QUICK_MS if args.quick else MS)
+    run_benchmark(out, shapes, ms, args.shared_breakdown_max_m, tag=args.tag)
     return 0
 
 

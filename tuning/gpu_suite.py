@@ -29,7 +29,7 @@ PARTS = ("probe", "tests", "kernels", "gdn", "moe", "model", "vision", "sm70")
 
 # GPU-marked tests live here; other test modules may import CPU-only stacks (vLLM) at collection.
 GPU_TEST_PATHS = ("tests/gpu", "tests/test_standalone.py", "tests/test_strided_pools.py",
-                  "tests/test_triton_attention.py")
+                  "tests/test_triton_attention.py", "tests/test_tune_gpu.py")
 # Kernel test modules whose every case runs on CUDA when present (on CPU, in the interpreter); none imports vLLM.
 # (test_triton_attention.py's unmarked cases are CPU-only; its GPU cases are gpu-marked, in GPU_TEST_PATHS.)
 KERNEL_TEST_PATHS = ("tests/test_triton_gdn.py", "tests/test_triton_moe.py", "tests/test_triton_moe_down.py",

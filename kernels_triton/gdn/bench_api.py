@@ -9,6 +9,10 @@ choices the ops make, by name. Not for model code: the ops in :mod:`kernels_trit
   ``STREAM``, ``PDL``).
 - :func:`plan_for`, :func:`scan_config`, :func:`prepare_config`, :func:`decode_config`: what the ops would choose
   (caches clear with :func:`kernels_triton.bench_api.clear_config_cache`).
+- The tuner's search spaces: :data:`SCAN_SEARCH_SPACE` / :func:`scan_search_space` / :func:`scan_excluded` (the
+  ``gdn_chunk_scan`` file), :data:`STEP_SEARCH_SPACE` / :func:`step_search_space` / :func:`step_excluded` (the
+  ``gdn_recurrent_step`` file); :func:`scan_forced`: the forced scan config that runs what the plan makes of a
+  scan config.
 """
 
 from __future__ import annotations
@@ -19,19 +23,29 @@ from kernels_triton.gdn import launch, recurrent
 from kernels_triton.gdn.metadata import CHUNK, chunk_offsets
 from kernels_triton.gdn.plan import (
     ONE_PASS_SEGMENT_RATIO,
+    SCAN_SEARCH_SPACE,
     SEGMENT_WEIGHTS,
     Plan,
+    default_scan_t,
     plan_for,
     prepare_config,
     scan_config,
+    scan_excluded,
+    scan_search_space,
+    scan_t_fits,
     segment_cuts,
     sequence_groups,
     workspace_dtype,
 )
+from kernels_triton.gdn.recurrent import STEP_SEARCH_SPACE, step_excluded, step_search_space
 
-__all__ = ["CHUNK", "ONE_PASS_SEGMENT_RATIO", "PREFILL_KERNELS", "SEGMENT_WEIGHTS", "Plan", "chunk_offsets",
-           "decode_config", "gdn_chunk_prefill", "gdn_recurrent_step", "plan_for", "prepare_config", "scan_config",
-           "segment_cuts", "sequence_groups", "workspace_dtype"]
+__all__ = ["CHUNK", "ONE_PASS_SEGMENT_RATIO", "PREFILL_KERNELS", "SCAN_OP", "SCAN_SEARCH_SPACE", "SEGMENT_WEIGHTS",
+           "STEP_OP", "STEP_SEARCH_SPACE", "Plan", "chunk_offsets", "decode_config", "gdn_chunk_prefill",
+           "gdn_recurrent_step", "plan_for", "prepare_config", "scan_config", "scan_excluded", "scan_forced",
+           "scan_search_space", "scan_shape_key", "segment_cuts", "sequence_groups", "step_excluded",
+           "step_search_space", "step_shape_key", "workspace_dtype"]
+
+SCAN_OP, STEP_OP = "gdn_chunk_scan", "gdn_recurrent_step"  # their tuned-config files
 
 # The prefill's kernels by role, as they are named in a profile.
 PREFILL_KERNELS = {"prepare": "_chunk_prepare_kernel", "scan": "_chunk_scan_kernel",
@@ -69,3 +83,21 @@ def gdn_recurrent_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sta
 def decode_config(device: torch.device, B: int, HV: int, V: int) -> dict:
     """The decode step's config for B rows of HV value heads of width V (tuned entry or heuristic)."""
     return dict(recurrent.step_config(device, B, HV, V))
+
+
+def scan_shape_key(HV: int, V: int, dtype: torch.dtype) -> str:
+    """The ``gdn_chunk_scan`` file's shape key (token buckets: tokens per sequence)."""
+    return f"HV={HV},V={V},dtype={str(dtype).replace('torch.', '')}"
+
+
+def step_shape_key(HV: int, V: int) -> str:
+    """The ``gdn_recurrent_step`` file's shape key (token buckets: batch rows)."""
+    return f"HV={HV},V={V}"
+
+
+def scan_forced(cfg: dict, K: int, V: int) -> dict:
+    """The forced ``scan`` config (:func:`gdn_chunk_prefill`) that runs what the plan makes of a scan config (a
+    :func:`scan_config` result: the heuristic's, or a tuned entry's): ``SCAN_T`` as the plan sets it where the config
+    does not (a forced config leaves it off). Idempotent."""
+    split = bool(cfg.get("SPLIT", False))
+    return {**cfg, "SCAN_T": bool(cfg.get("SCAN_T", default_scan_t(split))) and scan_t_fits(K, V, split)}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -168,6 +169,57 @@ def avoid_miscompiled_scan(cfg: dict, dtype: torch.dtype, V: int) -> dict:
 @functools.cache
 def shared_memory_per_block(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+
+
+# ----------------------------------------------------------------------------- the tuner's search space
+
+# What a tuned ``gdn_chunk_scan`` entry may set (the lookup in :func:`scan_config` reads these keys only; a tuned
+# entry runs the one-pass scan), every value the tuner may try. Pruned per shape and device by
+# :func:`scan_excluded`.
+SCAN_SEARCH_SPACE: dict[str, tuple[int, ...]] = {"BV": (16, 32, 64, 128), "num_warps": (2, 4, 8),
+                                                 "num_stages": (1, 2, 3, 4)}
+SCAN_SPACE_HASH = _config.declare_search_space(("gdn_chunk_scan",), {"space": SCAN_SEARCH_SPACE, "rules": 1})
+MAX_STATE_REGS = 128  # fp32 registers per thread for the program's [BK, BV] state tile
+
+
+def scan_shared_bytes(K: int, BV: int, stages: int, dtype: torch.dtype, V: int = 128) -> int:
+    """A lower bound of the one-pass scan's shared memory: per pipeline stage one chunk of q and k (input dtype),
+    of W ([C, BK]) and of U ([C, BV]) in the workspace dtype (sm_90 builds at K = 128 measure 74 / 140 / 206 KB for
+    1 / 2 / 3 stages with bf16, this gives 57 / 115 / 172)."""
+    ws = 2 if dtype == torch.bfloat16 and min(K, V) >= BF16_MIN_HEAD_DIM else 4
+    per_stage = CHUNK * pow2(K, 16) * (2 * torch.empty((), dtype=dtype).element_size() + ws) + CHUNK * BV * ws
+    return max(stages, 1) * per_stage
+
+
+def scan_excluded(cfg: dict, K: int, V: int, dtype: torch.dtype, limits: _config.DeviceLimits) -> str | None:
+    """Why a scan config is outside the search space for these head dims on a device with ``limits``, or None: a
+    value not in :data:`SCAN_SEARCH_SPACE`, V blocks wider than V, a state tile over :data:`MAX_STATE_REGS`
+    registers per thread, more threads or (by :func:`scan_shared_bytes`) shared memory than the device has, or on a
+    GPU the class Triton 3.6 builds wrong (:func:`miscompiled_scan`)."""
+    for key, values in SCAN_SEARCH_SPACE.items():
+        if cfg.get(key) not in values:
+            return f"{key}={cfg.get(key)} is not in {values}"
+    BV, warps, stages = cfg["BV"], cfg["num_warps"], cfg["num_stages"]
+    if BV > pow2(V, 16):
+        return f"BV={BV} is wider than V={V}"
+    regs = pow2(K, 16) * BV // (32 * warps)
+    if regs > MAX_STATE_REGS:
+        return f"{regs} state registers per thread > {MAX_STATE_REGS}"
+    if limits.max_threads is not None and 32 * warps > limits.max_threads:
+        return f"{32 * warps} threads > {limits.max_threads} per block"
+    need = scan_shared_bytes(K, BV, stages, dtype, V)
+    if limits.shared_memory is not None and need > limits.shared_memory:
+        return f"at least {need} bytes of shared memory > {limits.shared_memory}"
+    if limits.capability is not None and miscompiled_scan(dtype, BV, stages):
+        return f"bf16 with BV={BV} in one stage: Triton 3.6 builds it wrong (miscompiled_scan)"
+    return None
+
+
+def scan_search_space(K: int, V: int, dtype: torch.dtype, limits: _config.DeviceLimits) -> list[dict]:
+    """Every scan config of :data:`SCAN_SEARCH_SPACE` that :func:`scan_excluded` keeps."""
+    keys = tuple(SCAN_SEARCH_SPACE)
+    cands = (dict(zip(keys, values, strict=True)) for values in itertools.product(*SCAN_SEARCH_SPACE.values()))
+    return [c for c in cands if scan_excluded(c, K, V, dtype, limits) is None]
 
 
 # ----------------------------------------------------------------------------- prepare config

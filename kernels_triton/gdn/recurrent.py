@@ -18,6 +18,7 @@ turns it off; measured: 0.3-0.4 µs less of 2.5-3.2 µs at one token on the H200
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 import triton
@@ -112,6 +113,37 @@ def step_config(device: torch.device, B: int, HV: int, V: int) -> dict:
         return {"BV": min(64, pow2(V, 8)), "num_warps": 4, "STREAM": True}
     BV, warps = (32, 1) if pairs > 64 else (16, 1)
     return {"BV": min(BV, pow2(V, 8)), "num_warps": warps}
+
+
+# What a tuned ``gdn_recurrent_step`` entry may set, every value the tuner may try; pruned per shape and device by
+# :func:`step_excluded`.
+STEP_SEARCH_SPACE: dict[str, tuple] = {"BV": (8, 16, 32, 64, 128), "num_warps": (1, 2, 4, 8), "STREAM": (False, True)}
+STEP_SPACE_HASH = _config.declare_search_space(("gdn_recurrent_step",), {"space": STEP_SEARCH_SPACE, "rules": 1})
+MAX_STATE_REGS = 128  # fp32 registers per thread for the program's [BK, BV] state slice
+
+
+def step_excluded(cfg: dict, K: int, V: int, limits: _config.DeviceLimits) -> str | None:
+    """Why a step config is outside the search space for these head dims on a device with ``limits``, or None: a
+    value not in :data:`STEP_SEARCH_SPACE`, V blocks wider than V, a state slice over :data:`MAX_STATE_REGS`
+    registers per thread, more threads than a block may have."""
+    for key, values in STEP_SEARCH_SPACE.items():
+        if cfg.get(key) not in values:
+            return f"{key}={cfg.get(key)} is not in {values}"
+    if cfg["BV"] > pow2(V, 8):
+        return f"BV={cfg['BV']} is wider than V={V}"
+    regs = pow2(K, 16) * cfg["BV"] // (32 * cfg["num_warps"])
+    if regs > MAX_STATE_REGS:
+        return f"{regs} state registers per thread > {MAX_STATE_REGS}"
+    if limits.max_threads is not None and 32 * cfg["num_warps"] > limits.max_threads:
+        return f"{32 * cfg['num_warps']} threads > {limits.max_threads} per block"
+    return None
+
+
+def step_search_space(K: int, V: int, limits: _config.DeviceLimits) -> list[dict]:
+    """Every step config of :data:`STEP_SEARCH_SPACE` that :func:`step_excluded` keeps."""
+    keys = tuple(STEP_SEARCH_SPACE)
+    cands = (dict(zip(keys, values, strict=True)) for values in itertools.product(*STEP_SEARCH_SPACE.values()))
+    return [c for c in cands if step_excluded(c, K, V, limits) is None]
 
 
 PDL_ENV = "QWEN35_GDN_PDL"

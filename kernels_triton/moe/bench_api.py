@@ -9,6 +9,9 @@ The general pipeline (:mod:`.ops`), stage by stage:
   pair; :func:`heuristic`: the fallback; ``tma=``, ``sub=``, ``tiles_n=``, ``pdl=``, ``done=`` force the choices
   the op makes by itself).
 
+The tuner's search space of the two GEMMs: :data:`SEARCH_SPACE`, :func:`search_space`, :func:`excluded`,
+:func:`block_m_cap`.
+
 One token (:mod:`.decode`): :func:`route_one` -> :func:`gate_up_one` -> :func:`down_one`, or
 :func:`moe_block_one_token` for all three; :func:`decode_config` is their launch shape.
 
@@ -20,7 +23,19 @@ from __future__ import annotations
 
 from kernels_triton._arrival import block_counters
 from kernels_triton.moe.align import Alignment, align, route_and_align
-from kernels_triton.moe.config import DOWN_OP, GATE_UP_OP, GemmConfig, block_m_for, configs, heuristic, shape_key
+from kernels_triton.moe.config import (
+    DOWN_OP,
+    GATE_UP_OP,
+    SEARCH_SPACE,
+    GemmConfig,
+    block_m_cap,
+    block_m_for,
+    configs,
+    excluded,
+    heuristic,
+    search_space,
+    shape_key,
+)
 from kernels_triton.moe.decode import ENV as DECODE_ENV
 from kernels_triton.moe.decode import (
     DecodeConfig,
@@ -36,7 +51,8 @@ from kernels_triton.moe.pdl import ENV as PDL_ENV
 from kernels_triton.moe.pdl import enabled as pdl_enabled
 from kernels_triton.moe.routing import route, router_logits
 
-__all__ = ["DECODE_ENV", "DOWN_OP", "GATE_UP_OP", "PDL_ENV", "Alignment", "DecodeConfig", "GemmConfig", "align",
-           "block_counters", "block_m_for", "combine", "configs", "decode_config", "decode_path_enabled", "down",
-           "down_one", "gate_up", "gate_up_one", "heuristic", "moe_block_one_token", "pdl_enabled", "route",
-           "route_and_align", "route_one", "router_logits", "shape_key", "sub_levels"]
+__all__ = ["DECODE_ENV", "DOWN_OP", "GATE_UP_OP", "PDL_ENV", "SEARCH_SPACE", "Alignment", "DecodeConfig", "GemmConfig",
+           "align", "block_counters", "block_m_cap", "block_m_for", "combine", "configs", "decode_config",
+           "decode_path_enabled", "down", "down_one", "excluded", "gate_up", "gate_up_one", "heuristic",
+           "moe_block_one_token", "pdl_enabled", "route", "route_and_align", "route_one", "router_logits",
+           "search_space", "shape_key", "sub_levels"]

@@ -1,6 +1,6 @@
 """Launch configs for the MoE grouped GEMMs: tuned JSON first, else a documented heuristic.
 
-Two files per device, written by ``tuning/bench_moe.py --tune``: ``moe_gate_up.json`` (the
+Two files per device, written by ``qwen35-tune`` (:mod:`tuning.tune`): ``moe_gate_up.json`` (the
 ``[slots, H] x [H, 2I]`` GEMM, shape key ``E=<local experts>,N=<2I>,K=<H>,dtype=<dtype>``) and
 ``moe_down.json`` (``[slots, I] x [I, H]``, key ``E=..,N=<H>,K=<I>,dtype=..``), token buckets =
 tokens M. Each entry holds ``BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages``.
@@ -30,6 +30,7 @@ read off the H200 sweeps (``tuning/notes_moe.md``):
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -157,3 +158,65 @@ def configs(M: int, top_k: int, E: int, H: int, I: int, dtype: torch.dtype,
         down = GemmConfig(up.BLOCK_M, down.BLOCK_N, down.BLOCK_K, down.num_warps, down.num_stages)
     elem, limit = torch.empty((), dtype=dtype).element_size(), _shared_limit(device)
     return fit_shared_memory("gate_up", up, elem, limit), fit_shared_memory("down", down, elem, limit)
+
+
+# ----------------------------------------------------------------------------- the tuner's search space
+
+# Every value of each launch parameter the tuner may try (both GEMMs; one BLOCK_M for the pair). Pruned per shape and
+# device by :func:`excluded`.
+SEARCH_SPACE: dict[str, tuple[int, ...]] = {
+    "BLOCK_M": (16, 32, 64, 128), "BLOCK_N": (16, 32, 64, 128, 256), "BLOCK_K": (32, 64, 128, 256),
+    "num_warps": (2, 4, 8), "num_stages": (2, 3, 4, 5, 6)}
+SPACE_HASH = _config.declare_search_space((GATE_UP_OP, DOWN_OP), {"space": SEARCH_SPACE, "rules": 1})
+MAX_ACC_PER_THREAD = 128  # fp32 accumulator registers per thread (gate_up holds two accumulators): beyond, spills
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def block_m_cap(M: int, top_k: int, E: int) -> int:
+    """The widest BLOCK_M worth trying: twice the mean token-slots per expert (as a power of two), at most 128, at
+    least the heuristic's (:func:`block_m_for`). Wider blocks are mostly padding rows."""
+    return max(block_m_for(M, top_k, E), min(128, 2 * _pow2_at_least(-(-M * top_k // max(E, 1)))))
+
+
+def excluded(which: str, cfg: GemmConfig, M: int, top_k: int, E: int, N: int, K: int, dtype: torch.dtype,
+             limits: _config.DeviceLimits) -> str | None:
+    """Why ``cfg`` is outside the search space of ``which`` ('gate_up': ``[slots, K] x [K, N]`` with N = 2I; 'down':
+    ``[slots, K] x [K, N]`` with K = I) at M tokens on a device with ``limits``, or None: a value not in
+    :data:`SEARCH_SPACE`, a tile wider than the matrix, a BLOCK_M past :func:`block_m_cap`, more threads than a
+    block may have, more accumulator registers per thread than :data:`MAX_ACC_PER_THREAD`, more shared memory than
+    the device has (:func:`shared_bytes`)."""
+    for key in KEYS:
+        if getattr(cfg, key) not in SEARCH_SPACE[key]:
+            return f"{key}={getattr(cfg, key)} is not in {SEARCH_SPACE[key]}"
+    n_cols = N // 2 if which == "gate_up" else N
+    if cfg.BLOCK_N > max(16, _pow2_at_least(n_cols)):
+        return f"BLOCK_N={cfg.BLOCK_N} is wider than the {n_cols} output columns"
+    if cfg.BLOCK_K > max(32, _pow2_at_least(K)):
+        return f"BLOCK_K={cfg.BLOCK_K} is wider than K={K}"
+    if cfg.BLOCK_M > block_m_cap(M, top_k, E):
+        return f"BLOCK_M={cfg.BLOCK_M} is over twice the mean rows per expert at M={M}"
+    threads = cfg.num_warps * 32
+    if limits.max_threads is not None and threads > limits.max_threads:
+        return f"{threads} threads > {limits.max_threads} per block"
+    acc = cfg.BLOCK_M * cfg.BLOCK_N * (2 if which == "gate_up" else 1) // threads
+    if acc > MAX_ACC_PER_THREAD:
+        return f"{acc} accumulator registers per thread > {MAX_ACC_PER_THREAD}"
+    need = shared_bytes(which, cfg, torch.empty((), dtype=dtype).element_size())
+    if limits.shared_memory is not None and need > limits.shared_memory:
+        return f"{need} bytes of shared memory > {limits.shared_memory}"
+    return None
+
+
+def search_space(which: str, M: int, top_k: int, E: int, N: int, K: int, dtype: torch.dtype,
+                 limits: _config.DeviceLimits, block_m: int | None = None) -> list[GemmConfig]:
+    """Every config of :data:`SEARCH_SPACE` that :func:`excluded` keeps (only BLOCK_M = ``block_m`` when given)."""
+    out = []
+    for values in itertools.product(*(SEARCH_SPACE[k] for k in KEYS)):
+        cfg = GemmConfig(*values)
+        if (block_m is None or cfg.BLOCK_M == block_m) and excluded(which, cfg, M, top_k, E, N, K, dtype,
+                                                                     limits) is None:
+            out.append(cfg)
+    return out
