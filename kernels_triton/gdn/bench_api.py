@@ -9,6 +9,8 @@ choices the ops make, by name. Not for model code: the ops in :mod:`kernels_trit
   ``STREAM``, ``PDL``).
 - :func:`plan_for`, :func:`scan_config`, :func:`prepare_config`, :func:`decode_config`: what the ops would choose
   (caches clear with :func:`kernels_triton.bench_api.clear_config_cache`).
+- :func:`cut_scan_config`, :func:`suggested_segment_chunks`: a forced scan config that takes the cut-and-correct path
+  (:mod:`kernels_triton.gdn.cut`, off in every default plan), and its suggested segment length.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from kernels_triton.gdn import launch, recurrent
+from kernels_triton.gdn.cut import cut_scan_config, suggested_segment_chunks
 from kernels_triton.gdn.metadata import CHUNK, chunk_offsets
 from kernels_triton.gdn.plan import (
     ONE_PASS_SEGMENT_RATIO,
@@ -30,12 +33,13 @@ from kernels_triton.gdn.plan import (
 )
 
 __all__ = ["CHUNK", "ONE_PASS_SEGMENT_RATIO", "PREFILL_KERNELS", "SEGMENT_WEIGHTS", "Plan", "chunk_offsets",
-           "decode_config", "gdn_chunk_prefill", "gdn_recurrent_step", "plan_for", "prepare_config", "scan_config",
-           "segment_cuts", "sequence_groups", "workspace_dtype"]
+           "cut_scan_config", "decode_config", "gdn_chunk_prefill", "gdn_recurrent_step", "plan_for", "prepare_config",
+           "scan_config", "segment_cuts", "sequence_groups", "suggested_segment_chunks", "workspace_dtype"]
 
 # The prefill's kernels by role, as they are named in a profile.
 PREFILL_KERNELS = {"prepare": "_chunk_prepare_kernel", "scan": "_chunk_scan_kernel",
-                   "output": "_chunk_output_kernel", "single": "_chunk_single_kernel"}
+                   "output": "_chunk_output_kernel", "single": "_chunk_single_kernel",
+                   "cut_local": "_cut_local_kernel", "cut_correct": "_cut_correct_kernel"}
 
 
 def gdn_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, prepare: dict | None = None,
