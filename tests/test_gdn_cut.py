@@ -212,3 +212,29 @@ def test_default_plans_never_cut_and_the_suggested_config_is_accepted():
     o, _ = gdn_bench.gdn_chunk_prefill(**d, use_qk_l2norm=True, scan=cfg)
     ro, _ = ref.gdn_chunk_prefill(**_to64(d), use_qk_l2norm=True)
     assert_close(o, ro, TOL[torch.float32], "output")
+
+
+_HOPPER_BUILD = '''
+from helpers import build_sm90
+from kernels_triton.gdn import cut
+
+act = {n: "*bf16" for n in ("k_ptr", "ws_ptr")}
+act.update({n: "*fp32" for n in ("h0_ptr", "ht_ptr", "loc_ptr", "mt_ptr", "seg_h0_ptr")}, has_init_ptr="*i1")
+for bv in cut.CUT_BVS:
+    build_sm90(cut._cut_local_kernel, act, dict(K=128, V=128, BK=128, BV=bv, C=64, DOT_PREC="tf32", STATE_IN=False,
+               POOL=True, HAS_INIT_FLAGS=True), **cut.LOCAL_OPTIONS, divisible=())
+build_sm90(cut._cut_correct_kernel, act, dict(K=128, V=128, BK=128, BV=cut.CORRECT_BV, PREC="tf32x3", STATE_IN=False,
+           STATE_OUT=False, POOL=True, HAS_INIT_FLAGS=True), **cut.CORRECT_OPTIONS, divisible=())
+print("built")
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the cases above run these kernels compiled")
+def test_cut_kernels_build_for_hopper():
+    """The local pass (every column block the plan accepts) and the correction compile to sm_90 code with Triton's
+    bundled ptxas at their launch options, bf16 workspace, K = V = 128 (no GPU needed; the interpreter checks the
+    numbers)."""
+    from helpers import assert_builds
+
+    assert_builds(_HOPPER_BUILD)

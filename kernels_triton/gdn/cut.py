@@ -106,12 +106,12 @@ def _cut_local_kernel(
     hv = row % HV
     h = hv // (HV // H)
     start, end, n, first = _segment(seg_ptr, j, J)
-    w_ptr, u_ptr, _, gcum_ptr = workspace(ws_ptr, T, HV, K, V, C)
+    w_ptr, u_ptr, aqk_ptr, gcum_ptr = workspace(ws_ptr, T, HV, K, V, C)  # (Aqk is the output pass')
     NVB: tl.constexpr = (V + BV - 1) // BV
     if cb < NVB:
         S = tl.zeros((BK, BV), dtype=tl.float32)
         if first:
-            S, _ = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, cb, pool_slot_stride, HV, K, V, BK, BV,
+            S, slot = _initial_state(h0_ptr, slots_ptr, has_init_ptr, n, hv, cb, pool_slot_stride, HV, K, V, BK, BV,
                                   STATE_IN, POOL, HAS_INIT_FLAGS)
         for chunk_start in range(start, end, C):
             S = _state_step(S, k_ptr, w_ptr, u_ptr, gcum_ptr, chunk_start, end, hv, h, T, H, HV, cb, K, V, BK, BV, C,
