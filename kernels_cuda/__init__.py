@@ -3,6 +3,7 @@
 - :mod:`kernels_cuda.sm70`: the backend module (ops with the façade's signatures, ``availability``).
 - :mod:`kernels_cuda.build`: the JIT build (compiler, target arch, flags, cache) of ``csrc/``.
 - :mod:`kernels_cuda.ixformer`: the Iluvatar ixformer adapter (the ops its known calls cover).
+- :mod:`kernels_cuda.flashqla`: the FlashQLA adapter (GDN prefill; optional extra ``[flashqla]``).
 
 Imports only torch at import time; the CUDA sources are compiled on first use.
 """

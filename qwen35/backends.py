@@ -65,5 +65,7 @@ for _b in (
     Backend("triton", "kernels_triton", "Triton kernels (NVIDIA sm70+, Iluvatar; CPU only under TRITON_INTERPRET=1)"),
     Backend("cuda_sm70", "kernels_cuda.sm70", "CUDA C++ restricted to SM70 features, JIT-built (fp16)"),
     Backend("ixformer", "kernels_cuda.ixformer", "Iluvatar CoreX ixformer op library adapter"),
+    Backend("flashqla", "kernels_cuda.flashqla", "FlashQLA GDN prefill (sm90/sm100, bf16/fp16, K = V = 128; extra "
+            "[flashqla]) for the batches a measured crossover table gives it, triton for the rest"),
 ):
     register(_b)
