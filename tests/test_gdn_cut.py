@@ -238,3 +238,26 @@ def test_cut_kernels_build_for_hopper():
     from helpers import assert_builds
 
     assert_builds(_HOPPER_BUILD)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seg_chunks", [8, 16, 64])
+def test_gpu_long_sequence_bf16_against_fp64(seg_chunks):
+    """On a GPU, at a real size (397B-TP8 heads, one 32768-token sequence from a pool slot, bf16, K = V = 128): the
+    cut path's output and final state within the GPU tests' bf16 budget of the fp64 reference, for several segment
+    lengths; the config the peer benchmark forces for it."""
+    T, H, HV, K = 32768, 2, 8, 128
+    d = gdn_inputs(T, H, HV, K, K, dtype=torch.bfloat16, device=DEV, seed=15, raw=True)
+    cu = cu_from_lens([T], DEV)
+    pool = (torch.randn(2, HV, K, K, generator=torch.Generator().manual_seed(16)) * 0.1).to(DEV)
+    slots = torch.tensor([1], dtype=torch.int32, device=DEV)
+    cfg = gdn_bench.cut_scan_config(torch.device(DEV), torch.bfloat16, 1, HV, K, K, T, seg_chunks=seg_chunks)
+    ours, want = pool.clone(), pool.double()
+    o, _ = gdn_bench.gdn_chunk_prefill(**d, cu_seqlens=cu, state_pool=ours, state_slots=slots, use_qk_l2norm=True,
+                                       metadata=kt.prepare_gdn_metadata(cu), scan=cfg)
+    ro, _ = ref.gdn_chunk_prefill(**{k: (v.double() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+                                     for k, v in d.items()}, cu_seqlens=cu, state_pool=want, state_slots=slots,
+                                  use_qk_l2norm=True)
+    assert_close(o, ro, 1e-2, f"output, CUT={seg_chunks}, {cfg}")
+    assert_close(ours[1], want[1], 1e-2, f"final state, CUT={seg_chunks}")
+    assert torch.equal(ours[0], pool[0])

@@ -32,8 +32,9 @@ GPU_TEST_PATHS = ("tests/gpu", "tests/test_standalone.py", "tests/test_strided_p
                   "tests/test_triton_attention.py")
 # Kernel test modules whose every case runs on CUDA when present (on CPU, in the interpreter); none imports vLLM.
 # (test_triton_attention.py's unmarked cases are CPU-only; its GPU cases are gpu-marked, in GPU_TEST_PATHS.)
-KERNEL_TEST_PATHS = ("tests/test_triton_gdn.py", "tests/test_triton_moe.py", "tests/test_triton_moe_down.py",
-                     "tests/test_triton_conv_norm.py", "tests/test_triton_attn_glue.py", "tests/test_launch.py")
+KERNEL_TEST_PATHS = ("tests/test_triton_gdn.py", "tests/test_gdn_cut.py", "tests/test_triton_moe.py",
+                     "tests/test_triton_moe_down.py", "tests/test_triton_conv_norm.py",
+                     "tests/test_triton_attn_glue.py", "tests/test_launch.py")
 
 
 def _command(part: str, out: Path, quick: bool, extra: list[str]) -> list[str] | None:
