@@ -74,18 +74,24 @@ def _time_cpu_ms(fn, rep: int = 1) -> float:  # noqa: ANN001 - after a first cal
     return statistics.median(times)
 
 
-def measure(fn, T: int, gpu: bool) -> tuple[float | None, float, float]:  # noqa: ANN001
-    """(GPU ms by graph replay or None on CPU, call ms by events (wall time on CPU), seconds of the first call)."""
+def measure(fn, T: int, gpu: bool, row: dict) -> None:  # noqa: ANN001
+    """Into ``row``: ``first_call_s`` (the first call, compilation included), ``call_ms`` (events around one call;
+    wall time on CPU), ``gpu_ms`` (graph replay; None on CPU, and a ``graph_error`` where the call cannot be
+    captured)."""
     t0 = time.perf_counter()
     fn()
     if gpu:
         torch.cuda.synchronize()
-    first = time.perf_counter() - t0
+    row["first_call_s"] = round(time.perf_counter() - t0, 2)
     if not gpu:
-        return None, _time_cpu_ms(fn), first
-    call = _bench.time_ms(fn, warmup=3, rep=20)
-    gpu_ms = _bench.time_graph_ms(fn, calls_per_graph=5 if T >= 32768 else 20, rep=10)
-    return gpu_ms, call, first
+        row["call_ms"] = round(_time_cpu_ms(fn), 5)
+        return
+    row["call_ms"] = round(_bench.time_ms(fn, warmup=3, rep=20), 5)
+    try:
+        row["gpu_ms"] = round(_bench.time_graph_ms(fn, calls_per_graph=5 if T >= 32768 else 20, rep=10), 5)
+    except Exception as e:  # noqa: BLE001 - the call time stands without it
+        row["graph_error"] = f"{type(e).__name__}: {str(e)[:200]}"
+        torch.cuda.synchronize()
 
 
 # ----------------------------------------------------------------------------- inputs and implementations
@@ -263,14 +269,12 @@ def bench_prefill(run: Run, impl: str, peers: dict, heads: dict, shapes: tuple, 
                     fn = flashqla_fn(d)
                 else:
                     fn, row["fla_path"] = fla_fn(peers["fla_triton"], d), fla_path()
-                gpu_ms, call_ms, first = measure(fn, T, gpu)
-                row.update(gpu_ms=None if gpu_ms is None else round(gpu_ms, 5), call_ms=round(call_ms, 5))
+                measure(fn, T, gpu, row)
                 if impl != "ours":
-                    row["first_call_s"] = round(first, 2)
                     row["rel_vs_ours"] = _rel(fn()[0].reshape(T, HV, -1), ours_fn(d)()[0])
-                if gpu_ms:
-                    row["tflops"] = round((6 * k * k + 6 * 64 * k + 4 * 64 * k + 64 * 64 / 3) * T * HV / gpu_ms / 1e9,
-                                          1)
+                if row["gpu_ms"]:
+                    flop = (6 * k * k + 6 * 64 * k + 4 * 64 * k + 64 * 64 / 3) * T * HV
+                    row["tflops"] = round(flop / row["gpu_ms"] / 1e9, 1)
                 del d, fn
             except Exception as e:  # noqa: BLE001 - record and go on
                 traceback.print_exc()
@@ -292,12 +296,9 @@ def bench_decode(run: Run, impl: str, peers: dict, heads: dict, batches: tuple) 
                    "call_ms": None}
             try:
                 fn = _decode_fn(impl, peers, B, H, HV, K if gpu else 32, run.device, run.dtype)
-                gpu_ms, call_ms, first = measure(fn, 1, gpu)
-                row.update(gpu_ms=None if gpu_ms is None else round(gpu_ms, 5), call_ms=round(call_ms, 5))
-                if gpu_ms:
-                    row["state_GBps"] = round(2 * B * HV * (K * V) * 4 / gpu_ms / 1e6)
-                if impl != "ours":
-                    row["first_call_s"] = round(first, 2)
+                measure(fn, 1, gpu, row)
+                if row["gpu_ms"]:
+                    row["state_GBps"] = round(2 * B * HV * (K * V) * 4 / row["gpu_ms"] / 1e6)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
