@@ -12,7 +12,7 @@
 #       qwen35-serve
 #   # overrides after the image name win over the file: ... qwen35-serve /etc/qwen35/config.yaml --port 9000
 #
-# The vLLM minor version of the base image must be in qwen35's supported range (0.32.x).
+# The base image's vLLM must be in qwen35's supported range, >=0.26,<0.33 (qwen35/vllm_adapter.py checks it at import).
 ARG BASE_IMAGE=vllm/vllm-openai:v0.32.0
 FROM ${BASE_IMAGE}
 

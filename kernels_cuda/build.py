@@ -28,6 +28,10 @@ conversions). CoreX clang++ (Iluvatar, a CUDA-compatible clang) gets
 --no-cuda-version-check -O3`` and is handed to torch as the CUDA compiler through ``PYTORCH_NVCC``; this relies
 on CoreX's torch build accepting a clang driver there (contract-documented, not hardware-verified).
 
+The build runs ninja (torch's JIT build does): the one on ``PATH``, else the ``ninja`` wheel's binary. The
+compiler and ninja are looked for before anything else, so a host without them gets a :class:`CudaBuildError`
+naming what is missing (the probe turns it into a WARNING and falls back).
+
 Cache directory: ``QWEN35_CUDA_CACHE`` if set, else ``$XDG_CACHE_HOME/qwen35/cuda_sm70`` (``~/.cache/...``),
 one subdirectory per :func:`cache_key`. A failed build raises :class:`CudaBuildError` quoting the compiler's
 first error lines.
@@ -43,7 +47,7 @@ import shutil
 import subprocess
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import ModuleType
 
@@ -272,10 +276,30 @@ def _device_cc(device) -> int | None:  # noqa: ANN001
     return major * 10 + minor
 
 
+def _ninja_dir() -> str:
+    """The directory of the ninja binary torch's build runs: PATH's, else the ``ninja`` wheel's."""
+    on_path = shutil.which("ninja")
+    if on_path:
+        return os.path.dirname(on_path)
+    try:
+        import ninja
+
+        if os.path.isfile(os.path.join(ninja.BIN_DIR, "ninja")):
+            return ninja.BIN_DIR
+    except Exception:  # noqa: BLE001 - absent or without BIN_DIR: not found
+        pass
+    raise CudaBuildError("ninja not found (torch.utils.cpp_extension builds with it): pip install ninja, or put a "
+                         "ninja binary on PATH")
+
+
 def load(device=None, *, verbose: bool = False) -> ModuleType:  # noqa: ANN001
     """The built extension for ``device`` (default: the current CUDA device), built now if the cache lacks it."""
+    tk = find_toolkit()  # first: no compiler is an error on any device (and needs no CUDA runtime to say so)
+    ninja_dir = _ninja_dir()
     cc = _device_cc(device)
-    p = plan(cc)
+    p = plan(cc, toolkit=tk)
+    if shutil.which("ninja") is None:  # torch runs `ninja` from PATH: add the wheel's binary for the build
+        p = replace(p, env={**p.env, "PATH": ninja_dir + os.pathsep + os.environ.get("PATH", "")})
     with _LOCK:
         if p.key in _LOADED:
             return _LOADED[p.key]

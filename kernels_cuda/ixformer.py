@@ -15,10 +15,11 @@ Mapping (:data:`ROUTES`):
   ``scale`` argument are not publicly documented.
 - ``rms_norm_gated(x, z, w, eps)`` -> ``silu_and_mul(cat([z, rms_norm(x, w)], -1))``.
 
-Inputs that are not fp16 go to ``cuda_sm70``'s implementation of the same op. The other publicly seen calls
-(``matmul``, ``softmax``, ``flash_attn_func``, ``gemv``, ``fused_add_rms_norm``) cover no other façade op whole: the
-API has no MoE, top-k, GDN or conv op, and ``flash_attn_func`` takes dense batches, not per-slot KV caches with
-per-row lengths. Those ops are not defined here, so the probe takes them from ``cuda_sm70``.
+:data:`DTYPES` is fp16 alone, so the probe passes over this backend for other dtypes and takes ``cuda_sm70``; a
+direct call with inputs that are not fp16 goes to ``cuda_sm70``'s implementation of the same op. The other publicly
+seen calls (``matmul``, ``softmax``, ``flash_attn_func``, ``gemv``, ``fused_add_rms_norm``) cover no other façade op
+whole: the API has no MoE, top-k, GDN or conv op, and ``flash_attn_func`` takes dense batches, not per-slot KV
+caches with per-row lengths. Those ops are not defined here, so the probe takes them from ``cuda_sm70``.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ ROUTES: dict[str, tuple[str, ...]] = {
     "rms_norm_zero_centered": ("rms_norm",),
     "rms_norm_gated": ("rms_norm", "silu_and_mul"),
 }
+DTYPES = (torch.float16,)  # activation dtypes the adapter computes in (ixformer's calls are fp16 only)
 NEEDED = tuple(sorted({f for calls in ROUTES.values() for f in calls}))
 _SUBMODULES = ("ixformer.inference.functions", "ixformer.functions", "ixformer")
 

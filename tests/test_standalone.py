@@ -158,7 +158,7 @@ def test_gdn_projection_paths_agree(moe_ckpt, monkeypatch):
 
 def test_padded_prefill_attention_matches_exact(dense_ckpt):
     """A fresh prompt's attention padded to the next PREFILL_BUCKET (room in the cache) = unpadded."""
-    from qwen35.standalone import PREFILL_BUCKET
+    from qwen35.slots import PREFILL_BUCKET
 
     (prompt,) = _prompts([70])
     padded = Qwen35Standalone.from_pretrained(dense_ckpt, max_seqs=1, max_len=PREFILL_BUCKET)

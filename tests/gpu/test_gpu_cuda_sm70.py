@@ -1,5 +1,6 @@
 """cuda_sm70 (kernels_cuda.sm70) on a CUDA GPU: every op against the fp64 reference, the JIT build (clean cache,
-missing compiler, a failing source), CUDA-graph capture. Skipped without CUDA.
+missing compiler, a failing source), the probe's build gate (nvcc missing: a WARNING and Triton; ``qwen35-probe
+--build``), CUDA-graph capture. Skipped without CUDA.
 
 On an H200 with CUDA 13 the extension is built as compute_75 PTX (the SM70 feature set; the driver compiles it).
 Budgets (relative error over the whole tensor, as the Triton GPU tests): GDN fp32 1e-3, fp16 4e-3; conv and norms
@@ -100,14 +101,68 @@ def test_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("QWEN35_CUDA_COMPILER", missing)
     with pytest.raises(build.CudaBuildError, match="does not exist"):
         build.load(torch.device(DEV))
-    monkeypatch.delenv("QWEN35_CUDA_COMPILER")
-    from dataclasses import replace
-
     from qwen35 import probe
 
-    caps = probe.device_caps(DEV)
-    assert sm70.availability(caps) is None, sm70.availability(caps)
-    assert "no CUDA toolchain" in sm70.availability(replace(caps, nvcc=None, corex_clang=None))
+    assert sm70.availability(probe.device_caps(DEV)) is None  # the toolchain is the build's business
+
+
+_FALLBACK = """
+import json, logging, torch
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+from qwen35 import probe
+caps = probe.device_caps("cuda")
+# this GPU under a V100's policy: cuda_sm70 first
+probe.POLICY[caps.platform] = ("cuda_sm70",) + tuple(b for b in probe.POLICY[caps.platform] if b != "cuda_sm70")
+rows = {op: probe.choose(op, "cuda", torch.float16) for op in ("rms_norm_gated", "moe_block", "gdn_chunk_prefill")}
+print(json.dumps({op: [c.backend, dict(c.rejected).get("cuda_sm70")] for op, c in rows.items()}))
+"""
+
+
+def test_probe_falls_back_with_a_warning_when_nvcc_is_missing(tmp_path):
+    """A fresh process whose build cannot find its compiler, with cuda_sm70 first in the policy: one WARNING that
+    quotes the build error, and every op on Triton; with the backend forced, the probe raises instead."""
+    missing = str(tmp_path / "no-cuda" / "bin" / "nvcc")
+    env = dict(os.environ, QWEN35_CUDA_COMPILER=missing, QWEN35_CUDA_CACHE=str(tmp_path / "cache"))
+    env.pop("QWEN35_BACKEND", None)
+    proc = subprocess.run([sys.executable, "-c", _FALLBACK], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    import json
+
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(rows)
+    for op, (backend, why) in rows.items():
+        assert backend == "triton", (op, backend, why)
+        assert why.startswith("failed its build (CudaBuildError: ") and missing in why, why
+    warnings = [ln for ln in proc.stderr.splitlines() if ln.startswith("WARNING") and "cuda_sm70" in ln]
+    assert len(warnings) == 1 and "could not be built" in warnings[0] and missing in warnings[0], proc.stderr
+    forced = subprocess.run([sys.executable, "-m", "qwen35.probe"], env=dict(env, QWEN35_BACKEND="cuda_sm70"),
+                            cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert forced.returncode != 0 and "QWEN35_BACKEND=cuda_sm70 was requested" in forced.stderr, forced.stderr[-4000:]
+    assert "failed its build" in forced.stderr
+
+
+def test_probe_build_reports_the_build(built):
+    """``qwen35-probe --build`` in a fresh process (the session's cache holds the build: a load): the build's facts
+    in the JSON report and the text one; the forced backend's choices carry fp16 self-tests."""
+    import json
+
+    facts, _ = built
+    env = dict(os.environ, QWEN35_CUDA_CACHE=str(Path(facts["plan"].build_dir).parent), QWEN35_BACKEND="cuda_sm70")
+    t0 = time.time()
+    proc = subprocess.run([sys.executable, "-m", "qwen35.probe", "--build", "--json"], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    doc = json.loads(proc.stdout)
+    b = doc["build"]
+    print(f"\n[cuda_sm70] qwen35-probe --build in {time.time() - t0:.1f}s: {b}")
+    assert b["build_dir"] == facts["plan"].build_dir and b["arch"] == facts["plan"].arch and b["fresh"] is False
+    assert b["compiler"] == facts["plan"].toolkit.compiler and b["seconds"] >= 0
+    picked = {r["op"]: r for r in doc["ops"]}
+    assert picked["moe_block"]["backend"] == "cuda_sm70" and picked["moe_block"]["dtype"] == "float16"
+    text = subprocess.run([sys.executable, "-m", "qwen35.probe", "--build"], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=600)
+    assert text.returncode == 0 and "build    cuda_sm70 loaded from the cache" in text.stdout, text.stdout[-2000:]
 
 
 def test_a_failing_source_is_quoted(tmp_path):
