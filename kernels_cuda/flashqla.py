@@ -3,12 +3,15 @@ optional extra ``qwen35[flashqla]``) for the batches a measured crossover table 
 for every other batch. It defines ``gdn_chunk_prefill`` and its per-batch helpers only; the probe takes every other op
 from the next backend of its policy.
 
-**When it runs** (:func:`availability`, once per device, at probe time): an NVIDIA sm90 / sm100 device, ``flash_qla``
-imports, and this device's crossover table gives at least one batch shape to FlashQLA. Then, still at probe time,
-FlashQLA's own self-test (output and states against an fp64 recurrence on a K = V = 128 varlen batch with empty and
-one-token sequences, a state pool, a padded slot, ``has_initial_state`` False rows) and the warm-up: TileLang compiles
-each kernel at first use (10-30 s per kernel and shape class), so every class the table's buckets reach is compiled
-here (:func:`warm_up`) and only warmed head shapes are routed to FlashQLA: no compilation inside a request.
+**When it runs** (:func:`availability`, once per device): an NVIDIA sm90 / sm100 device, ``flash_qla`` imports,
+and this device's crossover table gives at least one batch shape to FlashQLA; bf16 / fp16 activations (``DTYPES``:
+the probe passes it over for fp32 calls, which run on triton). Then, at probe time (:func:`prepare`, the probe's
+build hook, run once per device before the first self-test): FlashQLA's own self-test (output and states against an
+fp64 recurrence on a K = V = 128 varlen batch with empty and one-token sequences, a state pool, a padded slot,
+``has_initial_state`` False rows) and the warm-up: TileLang compiles each kernel at first use (10-30 s per kernel and
+shape class), so every class the table's buckets reach is compiled here (:func:`warm_up`) and only warmed head shapes
+are routed to FlashQLA: no compilation inside a request. (The probe's generic self-test of the op then runs its
+small-head case, which this backend hands to triton.)
 
 **Per batch** (:func:`route`): FlashQLA takes bf16 / fp16 with K = V = 128 (fp32, other head dims: triton, with the
 reason); among those, the table's pick for the batch's shape, triton where the table has no entry near it.
@@ -104,39 +107,43 @@ def gdn_chunk_table(offsets: Sequence[int], out=None):  # noqa: ANN001, ANN201 -
 
 
 def availability(caps) -> str | None:  # noqa: ANN001 - qwen35.probe.DeviceCaps
-    """None when this backend runs on the probed device (after FlashQLA's self-test and warm-up there), else why
-    not. Computed once per device."""
-    return _availability(caps.device, caps.vendor, caps.capability, caps.name)
+    """None when this backend can run on the probed device, else why not (cheap: FlashQLA's self-test and warm-up
+    are :func:`prepare`'s). Computed once per device."""
+    return _availability(caps.vendor, caps.capability, caps.name)
 
 
 @functools.cache
-def _availability(device: str, vendor: str, capability: tuple[int, int] | None, name: str) -> str | None:
+def _availability(vendor: str, capability: tuple[int, int] | None, name: str) -> str | None:
     if vendor != "nvidia":
         return f"FlashQLA runs on NVIDIA GPUs only (this device: {vendor})"
     if capability not in SUPPORTED_CAPABILITIES:
         cc = "".join(map(str, capability or ()))
         return f"FlashQLA kernels are built for sm90 / sm100 (this device: sm{cc or '?'})"
     try:
-        loaded = kernel()
+        kernel()
     except Exception as e:  # noqa: BLE001 - any import failure means the extra is not usable here
         return f"flash_qla does not import ({type(e).__name__}: {str(e)[:200]}); pip install 'qwen35[flashqla]'"
-    heads = table_heads(name)
-    if not heads:
+    if not table_heads(name):
         return (f"no crossover table gives a batch to FlashQLA on {name} ({TABLE_OP}.json under "
                 f"{' or '.join(str(d / _config.device_slug(name)) for d in _table_dirs())}, written by qwen35-tune): "
                 "every batch runs on triton")
-    dev = torch.device(device)
-    try:
-        for dtype in sorted({d for _, _, d in heads}, key=str):
-            err = self_test(dev, dtype, loaded)
-            if err:
-                return f"FlashQLA {loaded.version} self-test failed: {err}"
-        secs = warm_up(dev, heads, loaded)
-    except Exception as e:  # noqa: BLE001 - a crash at probe time disqualifies, with its message
-        return f"FlashQLA self-test or warm-up raised {type(e).__name__}: {str(e)[:300]}"
+    return None
+
+
+def prepare(device: torch.device) -> None:
+    """The probe's build hook (once per device, before the first self-test): FlashQLA's self-test in every dtype the
+    crossover table routes, then the warm-up of every head shape it routes (:func:`warm_up`; the seconds are logged
+    and kept in :data:`WARMUP`). RuntimeError naming what failed: the probe then passes the op to triton."""
+    loaded = kernel()
+    name = _config.device_facts(device)[0]
+    heads = table_heads(name)
+    for dtype in sorted({d for _, _, d in heads}, key=str):
+        err = self_test(device, dtype, loaded)
+        if err:
+            raise RuntimeError(f"FlashQLA {loaded.version} self-test failed on {device}: {err}")
+    secs = warm_up(device, heads, loaded)
     log.info("qwen35: FlashQLA %s ready on %s: %d head shapes warmed in %.1f s", loaded.version, device, len(heads),
              secs)
-    return None
 
 
 def supports(dtype: torch.dtype, K: int, V: int) -> str | None:

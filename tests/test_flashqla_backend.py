@@ -184,26 +184,33 @@ def test_the_backend_hands_other_batches_to_triton():
 
 
 @pytest.mark.slow
-def test_self_test_and_warm_up_around_the_stand_in():
-    """The probe-time self-test passes a kernel that computes the right thing and names what a wrong one gets wrong
-    (its fp64 recurrence is the ground truth); the warm-up runs every bucket and grid class once and marks the
-    heads as warmed."""
+def test_prepare_runs_the_self_test_and_the_warm_up(tmp_path, monkeypatch):
+    """The probe's build hook around the stand-in: the self-test (its fp64 recurrence the ground truth) passes a
+    kernel that computes the right thing, then every table bucket and launch-grid class runs once and the heads
+    count as warmed; a kernel that gets the states wrong fails it, naming the error and the dtype."""
+    monkeypatch.setenv("QWEN35_CONFIG_DIR", str(tmp_path))
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / f"{flashqla.TABLE_OP}.json").write_text(json.dumps({"entries": {
+        "H=1,HV=2,dtype=bfloat16,seqs=2": {"100": {"pick": "flashqla"}}}}))
+    clear_config_cache()
+    flashqla.reset()
     cpu = torch.device("cpu")
-    assert flashqla.self_test(cpu, torch.bfloat16, StandIn().kernel()) is None
+    stand_in = StandIn()
+    monkeypatch.setattr(flashqla, "kernel", stand_in.kernel)
+    flashqla.prepare(cpu)
+    assert stand_in.calls == 1 + 9  # the self-test; L2 off once, seven grid classes, one bucket
+    assert ("cpu", 1, 2, torch.bfloat16) in flashqla._WARMED and flashqla.WARMUP[("cpu", 1, 2, "bfloat16")] > 0
 
     class Wrong(StandIn):
         def flashqla_stand_in_computed_by_reference(self, *args, **kw):  # noqa: ANN002, ANN003, ANN201
             o, final = super().flashqla_stand_in_computed_by_reference(*args, **kw)
             return o, final * 0.9
 
-    err = flashqla.self_test(cpu, torch.float16, Wrong().kernel())
-    assert err is not None and "rel err" in err and "float16" in err
+    monkeypatch.setattr(flashqla, "kernel", Wrong().kernel)
+    with pytest.raises(RuntimeError, match=r"self-test failed on cpu: rel err .* \(bfloat16\)"):
+        flashqla.prepare(cpu)
     flashqla.reset()
-    stand_in = StandIn()
-    secs = flashqla.warm_up(cpu, {(1, 2, torch.bfloat16): [(2, 100)]}, stand_in.kernel())
-    assert stand_in.calls == 9 and secs > 0  # L2 off once, seven grid classes, one bucket
-    assert ("cpu", 1, 2, torch.bfloat16) in flashqla._WARMED and ("cpu", 1, 2, "bfloat16") in flashqla.WARMUP
-    flashqla.reset()
+    clear_config_cache()
 
 
 @pytest.fixture
@@ -258,10 +265,11 @@ def test_availability_says_why_not(fresh_probe):
     assert fresh_probe.POLICY["nvidia-sm80+"][0] == "flashqla"
     assert backends.get("flashqla").module == "kernels_cuda.flashqla"
     if importlib.util.find_spec("flash_qla") is None:
-        fn, note, _ = fresh_probe._try("flashqla", "gdn_chunk_prefill", _caps("nvidia", (9, 0)))
+        fn, note, *_ = fresh_probe._try("flashqla", "gdn_chunk_prefill", _caps("nvidia", (9, 0)), torch.bfloat16)
         assert fn is None and note.startswith("cannot run here (flash_qla does not import") and "[flashqla]" in note
-    fn, note, _ = fresh_probe._try("flashqla", "moe_block", _caps("cpu", None))
+    fn, note, *_ = fresh_probe._try("flashqla", "moe_block", _caps("cpu", None), torch.bfloat16)
     assert fn is None and "NVIDIA GPUs only" in note
+    assert fresh_probe.selftest_dtype(torch.float32, flashqla.DTYPES) == (None, "computes bf16/fp16, not fp32")
 
 
 def test_probe_skips_flashqla_with_the_reason(fresh_probe, monkeypatch):
