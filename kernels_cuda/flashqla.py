@@ -34,7 +34,8 @@ zero-length sequences; the façade allows both pools and empty sequences. Empty 
 gathered from the pool (zeros for a negative slot or ``has_initial_state`` False) or tensor into dense rows and the
 final states scattered back (:mod:`kernels_triton.gdn.state_io`), on the device; raw gating becomes fp32 ``g`` and
 ``beta``. The per-batch pieces (the kept sequences' offsets, the index tables, FlashQLA's context-parallel plan per
-value-head count) are built once per batch with the metadata and shared by every layer.
+value-head count) are built at the batch's first FlashQLA call, kept in its metadata (the triton backend's, which
+this backend's ``prepare_gdn_metadata`` returns) and shared by every layer.
 """
 
 from __future__ import annotations
@@ -46,7 +47,6 @@ import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -243,29 +243,15 @@ def reset() -> None:
 # ----------------------------------------------------------------------------- per-batch data
 
 
-@dataclass
-class FlashQLAMetadata:
-    """Per-batch data of this backend: the triton backend's (for batches routed there) and, built at the first
-    FlashQLA call of the batch and kept for every layer after it, the batch's :class:`Layout` by value-head count."""
-
-    triton: object
-    cu_seqlens: torch.Tensor
-    version: int
-    offsets: tuple[int, ...] | None
-    derived: dict = field(default_factory=dict)
-
-
 def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offsets: Sequence[int] | None = None,
-                         table: torch.Tensor | None = None,
-                         chunk_indices: torch.Tensor | None = None) -> FlashQLAMetadata:
-    """The triton backend's metadata for the batch, wrapped with the batch's host offsets where known."""
+                         table: torch.Tensor | None = None, chunk_indices: torch.Tensor | None = None) -> object:
+    """The triton backend's metadata (:class:`kernels_triton.gdn.GdnChunkMetadata`): batches routed to triton use it
+    as it is, and FlashQLA's per-batch pieces are kept in it (its ``derived`` tables) at the batch's first FlashQLA
+    call, built from its host offsets where it has them."""
     kt = _triton()
     if chunk_indices is not None:
-        inner = kt.prepare_gdn_metadata(cu_seqlens, chunk_size, chunk_indices=chunk_indices)
-    else:
-        inner = kt.prepare_gdn_metadata(cu_seqlens, chunk_size, offsets=offsets, table=table)
-    offs = tuple(offsets) if offsets is not None else getattr(inner, "offsets", None)
-    return FlashQLAMetadata(inner, cu_seqlens, cu_seqlens._version, offs)
+        return kt.prepare_gdn_metadata(cu_seqlens, chunk_size, chunk_indices=chunk_indices)
+    return kt.prepare_gdn_metadata(cu_seqlens, chunk_size, offsets=offsets, table=table)
 
 
 class Layout(NamedTuple):
@@ -307,19 +293,14 @@ def batch_layout(metadata: object | None, cu_seqlens: torch.Tensor | None, T: in
                 _DENSE.clear()
             found = _DENSE[(T, device)] = layout_of((0, T), device)
         return found
-    holder = None
-    if isinstance(metadata, FlashQLAMetadata):
-        holder, offsets = metadata, metadata.offsets
-        same = metadata.cu_seqlens.data_ptr() == cu_seqlens.data_ptr() and metadata.version == cu_seqlens._version
-    else:
-        holder, offsets = metadata, getattr(metadata, "offsets", None)
-        same = (hasattr(metadata, "derived") and metadata.cu_seqlens.data_ptr() == cu_seqlens.data_ptr()
-                and metadata.version == cu_seqlens._version)
-    if not same:
+    from kernels_triton.gdn import GdnChunkMetadata
+
+    if (not isinstance(metadata, GdnChunkMetadata) or metadata.cu_seqlens.data_ptr() != cu_seqlens.data_ptr()
+            or metadata.version != cu_seqlens._version):  # none, or built for a batch this buffer held before
         return layout_of(cu_seqlens.tolist(), device)
-    found = holder.derived.get("flashqla_layout")
+    found = metadata.derived.get("flashqla_layout")
     if found is None:
-        found = holder.derived["flashqla_layout"] = layout_of(offsets or cu_seqlens.tolist(), device)
+        found = metadata.derived["flashqla_layout"] = layout_of(metadata.offsets or cu_seqlens.tolist(), device)
     return found
 
 
@@ -372,8 +353,7 @@ def gdn_chunk_prefill(
               use_qk_l2norm=use_qk_l2norm, out=out)
     if impl == "flashqla":
         return flashqla_prefill(q, k, v, **kw, metadata=metadata)
-    inner = metadata.triton if isinstance(metadata, FlashQLAMetadata) else metadata
-    return _triton().gdn_chunk_prefill(q, k, v, **kw, chunk_size=chunk_size, metadata=inner)
+    return _triton().gdn_chunk_prefill(q, k, v, **kw, chunk_size=chunk_size, metadata=metadata)
 
 
 def flashqla_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, g: torch.Tensor | None = None,

@@ -24,6 +24,7 @@ from helpers import assert_close, cu_from_lens, gdn_inputs
 import kernels_triton as kt
 from kernels_cuda import flashqla
 from kernels_triton.bench_api import clear_config_cache
+from kernels_triton.gdn import GdnChunkMetadata
 from qwen35 import backends
 from qwen35 import reference as ref
 from qwen35.probe import DeviceCaps
@@ -145,7 +146,7 @@ def test_per_batch_pieces_are_built_once_for_every_layer():
     d = gdn_inputs(sum(lens), H, HV, K, K, dtype=torch.bfloat16, device=DEV, seed=7)
     cu = cu_from_lens(lens, DEV)
     meta = flashqla.prepare_gdn_metadata(cu)
-    assert meta.offsets == (0, 64, 64, 164)
+    assert meta.offsets == (0, 64, 64, 164) and isinstance(meta, GdnChunkMetadata)
     stand_in = StandIn()
     for _ in range(3):  # three layers of one batch
         flashqla.flashqla_prefill(**d, cu_seqlens=cu, metadata=meta, kernel_fn=stand_in.kernel())
@@ -169,7 +170,7 @@ def test_what_flashqla_cannot_take_is_refused_with_the_reason():
 
 def test_the_backend_hands_other_batches_to_triton():
     """Where the route is triton (here: a CPU device; on a GPU fp32, other head dims, or the table's pick), the op is
-    the triton backend's, with the triton metadata inside this backend's."""
+    the triton backend's, with this backend's metadata (the triton backend's)."""
     lens = [70, 0, 5]
     d = gdn_inputs(sum(lens), 2, 4, 32, 32, dtype=torch.float32, device=DEV, seed=9, raw=True)
     cu = cu_from_lens(lens, DEV)
@@ -178,7 +179,7 @@ def test_the_backend_hands_other_batches_to_triton():
     o, ht = flashqla.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True,
                                        metadata=meta)
     ro, rht = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, output_final_state=True, use_qk_l2norm=True,
-                                   metadata=meta.triton)
+                                   metadata=kt.prepare_gdn_metadata(cu))
     assert flashqla.CALLS["triton"] == before + 1
     assert torch.equal(o, ro) and torch.equal(ht, rht)
 
