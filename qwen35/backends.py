@@ -72,5 +72,7 @@ for _b in (
     Backend("cuda_sm70", "kernels_cuda.sm70", "CUDA C++: fp16/fp32 (bf16 refused), JIT-built, SM70 features only"),
     Backend("ixformer", "kernels_cuda.ixformer", "Iluvatar CoreX ixformer adapter: the norms, fp16 only "
             "(contract-tested, not hardware-verified)"),
+    Backend("flashqla", "kernels_cuda.flashqla", "FlashQLA GDN prefill (sm90/sm100, bf16/fp16, K = V = 128; extra "
+            "[flashqla]) for the batches a measured crossover table gives it, triton for the rest"),
 ):
     register(_b)

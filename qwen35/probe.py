@@ -56,14 +56,16 @@ from qwen35 import backends, knobs, optable, selftest
 log = logging.getLogger("qwen35.probe")
 
 # Platform -> backends to try, in order. Why this order:
-# - sm80+ NVIDIA: Triton compiles to tensor cores with bf16; our CUDA path is SM70-only.
+# - sm80+ NVIDIA: Triton compiles to tensor cores with bf16; our CUDA path is SM70-only. ``flashqla`` (the GDN
+#   prefill only) comes first: it is there only with the optional extra on sm90/sm100 and a crossover table that
+#   gives it batches (its availability says why not otherwise), and it hands every other batch to triton.
 # - sm70/sm75 NVIDIA: the SM70 CUDA path is written for exactly these (fp16, no bf16);
 #   Triton also runs there in fp16 and backs it up.
 # - Iluvatar CoreX: the vendor library first where it has the op, then the SM70 CUDA path
 #   (CoreX compiles CUDA; it reports capability 7.0), then Triton.
 # - CPU: only the reference (Triton runs on CPU only under TRITON_INTERPRET=1, for tests).
 POLICY: dict[str, tuple[str, ...]] = {
-    "nvidia-sm80+": ("triton", "reference"),
+    "nvidia-sm80+": ("flashqla", "triton", "reference"),
     "nvidia-sm70": ("cuda_sm70", "triton", "reference"),
     "iluvatar": ("ixformer", "cuda_sm70", "triton", "reference"),
     "cpu": ("reference",),

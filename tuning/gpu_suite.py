@@ -6,7 +6,8 @@
 
 Parts: ``probe`` (qwen35-probe --json), ``tests`` (pytest -m gpu), ``kernels`` (the Triton kernel test
 modules, which run on the GPU when there is one: the interpreter cases of CI, compiled for real), ``gdn``,
-``moe``, ``model``, ``vision``, ``sm70`` (the benchmarks in tuning/bench_*.py). Each part runs in its own
+``gdn_peers`` (ours beside FlashQLA and FLA's Triton path; its wheels must be on PYTHONPATH), ``moe``, ``model``,
+``vision``, ``sm70`` (the benchmarks in tuning/bench_*.py). Each part runs in its own
 subprocess so one crash does not lose the others; a part whose module is absent is reported as skipped. Writes
 ``suite.json`` (status + wall time per part), ``suite.log`` (every part's output), ``probe.json``
 and each benchmark's own JSON; the status table is printed last.
@@ -24,7 +25,7 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("probe", "tests", "kernels", "gdn", "moe", "model", "vision", "sm70")
+PARTS = ("probe", "tests", "kernels", "gdn", "gdn_peers", "moe", "model", "vision", "sm70")
 
 
 # GPU-marked tests live here; other test modules may import CPU-only stacks (vLLM) at collection.
@@ -32,8 +33,9 @@ GPU_TEST_PATHS = ("tests/gpu", "tests/test_standalone.py", "tests/test_strided_p
                   "tests/test_triton_attention.py", "tests/test_tune_gpu.py")
 # Kernel test modules whose every case runs on CUDA when present (on CPU, in the interpreter); none imports vLLM.
 # (test_triton_attention.py's unmarked cases are CPU-only; its GPU cases are gpu-marked, in GPU_TEST_PATHS.)
-KERNEL_TEST_PATHS = ("tests/test_triton_gdn.py", "tests/test_triton_moe.py", "tests/test_triton_moe_down.py",
-                     "tests/test_triton_conv_norm.py", "tests/test_triton_attn_glue.py", "tests/test_launch.py")
+KERNEL_TEST_PATHS = ("tests/test_triton_gdn.py", "tests/test_gdn_cut.py", "tests/test_triton_moe.py",
+                     "tests/test_triton_moe_down.py", "tests/test_triton_conv_norm.py",
+                     "tests/test_triton_attn_glue.py", "tests/test_launch.py")
 
 
 def _command(part: str, out: Path, quick: bool, extra: list[str]) -> list[str] | None:

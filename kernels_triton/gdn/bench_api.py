@@ -13,6 +13,8 @@ choices the ops make, by name. Not for model code: the ops in :mod:`kernels_trit
   ``gdn_chunk_scan`` file), :data:`STEP_SEARCH_SPACE` / :func:`step_search_space` / :func:`step_excluded` (the
   ``gdn_recurrent_step`` file); :func:`scan_forced`: the forced scan config that runs what the plan makes of a
   scan config.
+- :func:`cut_scan_config`, :func:`suggested_segment_chunks`: a forced scan config that takes the cut-and-correct path
+  (:mod:`kernels_triton.gdn.cut`, off in every default plan), and its suggested segment length.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from kernels_triton.gdn import launch, recurrent
+from kernels_triton.gdn.cut import cut_scan_config, suggested_segment_chunks
 from kernels_triton.gdn.metadata import CHUNK, chunk_offsets
 from kernels_triton.gdn.plan import (
     ONE_PASS_SEGMENT_RATIO,
@@ -40,16 +43,17 @@ from kernels_triton.gdn.plan import (
 from kernels_triton.gdn.recurrent import STEP_SEARCH_SPACE, step_excluded, step_search_space
 
 __all__ = ["CHUNK", "ONE_PASS_SEGMENT_RATIO", "PREFILL_KERNELS", "SCAN_OP", "SCAN_SEARCH_SPACE", "SEGMENT_WEIGHTS",
-           "STEP_OP", "STEP_SEARCH_SPACE", "Plan", "chunk_offsets", "decode_config", "gdn_chunk_prefill",
-           "gdn_recurrent_step", "plan_for", "prepare_config", "scan_config", "scan_excluded", "scan_forced",
-           "scan_search_space", "scan_shape_key", "segment_cuts", "sequence_groups", "step_excluded",
-           "step_search_space", "step_shape_key", "workspace_dtype"]
+           "STEP_OP", "STEP_SEARCH_SPACE", "Plan", "chunk_offsets", "cut_scan_config", "decode_config",
+           "gdn_chunk_prefill", "gdn_recurrent_step", "plan_for", "prepare_config", "scan_config", "scan_excluded",
+           "scan_forced", "scan_search_space", "scan_shape_key", "segment_cuts", "sequence_groups", "step_excluded",
+           "step_search_space", "step_shape_key", "suggested_segment_chunks", "workspace_dtype"]
 
 SCAN_OP, STEP_OP = "gdn_chunk_scan", "gdn_recurrent_step"  # their tuned-config files
 
 # The prefill's kernels by role, as they are named in a profile.
 PREFILL_KERNELS = {"prepare": "_chunk_prepare_kernel", "scan": "_chunk_scan_kernel",
-                   "output": "_chunk_output_kernel", "single": "_chunk_single_kernel"}
+                   "output": "_chunk_output_kernel", "single": "_chunk_single_kernel",
+                   "cut_local": "_cut_local_kernel", "cut_correct": "_cut_correct_kernel"}
 
 
 def gdn_chunk_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, prepare: dict | None = None,

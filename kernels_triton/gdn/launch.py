@@ -17,7 +17,7 @@ import torch
 from kernels_triton._kept import kept
 from kernels_triton._launch import DirectLauncher, replaced
 from kernels_triton._util import cdiv
-from kernels_triton.gdn import streams
+from kernels_triton.gdn import cut, streams
 from kernels_triton.gdn.common import MAX_HEAD_DIM, check_head_dims, gate_rows, grid_rows
 from kernels_triton.gdn.metadata import CHUNK, GdnChunkMetadata, chunk_bounds_on_device
 from kernels_triton.gdn.plan import OUTPUT_OPTIONS, Plan, plan_for, segment_cuts, sequence_groups
@@ -117,6 +117,8 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor |
         return o, final
     ws = torch.empty(HV * T * plan.ws_row, dtype=plan.ws_dtype, device=dev)  # layout: prepare.workspace
     work = num_chunks > 0 and T > 0
+    # The cut-and-correct path (a plan option, off by default): its segments need the batch's offsets on the host.
+    segs = cut.segment_table(metadata, cu_seqlens, T, plan.cut, dev) if plan.cut and work else None
     # One long sequence in parts (segments): each part's prepare (seg_prepare) and output (split scans) run beside a
     # scan part.
     parted = dev.type != "cuda" or streams.driver() is not None
@@ -148,6 +150,9 @@ def prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor |
     scan_args = _args(ScanArgs, (q, k, v, ws, o, states, cu_seqlens, h0, ht, state_slots, has_initial_state, None, T,
                                  pool_slot_stride, 0, 0, 0, H, HV, N * HV, varlen, h0 is not None, ht is not None, pool,
                                  has_initial_state is not None, split, False, False, False, *plan.scan))
+    if segs is not None:
+        cut.run(plan, *segs, scan_args, N, HV)
+        return o, final
     output_args = (_args(OutputArgs, (q, ws, states, o, bounds, T, H, HV, 0, varlen, *plan.output))
                    if split else None)
     if cuts is not None and len(cuts) > 2:

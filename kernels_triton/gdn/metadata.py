@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -31,6 +31,10 @@ class GdnChunkMetadata:
     cu_seqlens: torch.Tensor
     version: int = -1
     chunk_offsets: tuple[int, ...] | None = None  # each sequence's first chunk (and the total), when built on the host
+    offsets: tuple[int, ...] | None = None  # cu_seqlens' values, when built on the host
+    # Tables derived from this batch's offsets at first use and shared by every layer (e.g. the cut path's segments,
+    # :mod:`.cut`), by what they are for.
+    derived: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
 def chunk_table(offsets: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
@@ -98,14 +102,14 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offs
             raise ValueError(f"table must be a contiguous int32 [{rows}, 2] tensor on {cu_seqlens.device} (the chunk "
                              f"table of offsets {list(offsets)[:8]}...), got {table.dtype} {list(table.shape)} on "
                              f"{table.device}")
-        return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, cu_seqlens._version, chunk_offs)
+        return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, cu_seqlens._version, chunk_offs, tuple(offsets))
     offs = cu_seqlens.tolist() if offsets is None else list(offsets)
     chunk_offs = chunk_offsets(offs)
     n = chunk_offs[-1]
     host = torch.empty(max(n, 1), 2, dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
     chunk_table(offs, host.numpy())
     return GdnChunkMetadata(host.to(cu_seqlens.device, non_blocking=True), n, CHUNK, cu_seqlens, cu_seqlens._version,
-                            chunk_offs)
+                            chunk_offs, tuple(offs))
 
 
 def chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, int]:

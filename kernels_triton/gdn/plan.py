@@ -18,6 +18,7 @@ import torch
 from kernels_triton import _config
 from kernels_triton._config import device_facts
 from kernels_triton._util import cdiv, pow2
+from kernels_triton.gdn import cut as cut_path
 from kernels_triton.gdn.common import grid_rows
 from kernels_triton.gdn.metadata import CHUNK
 from kernels_triton.gdn.prepare import PrepareConsts
@@ -292,6 +293,7 @@ def sequence_groups(chunk_offs: Sequence[int], groups: int, ratio: float | None 
 PREPARE_FLAGS = ("DIAG_ROWS", "BLOCK_INV", "SCALE_K")  # prepare kernel flags a forced config may set
 PREPARE_BLOCKS = ("BKC", "BVC")  # the prepare's column blocks
 SCAN_FLAGS = ("SPLIT", "SEGMENTS", "SEG_PREPARE", "GROUPS", "SCAN_T")  # scan-config keys that are not launch options
+CUT_FLAGS = ("CUT", "CUT_BV")  # the cut-and-correct path (kernels_triton.gdn.cut): off unless a forced config sets CUT
 LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
@@ -313,6 +315,8 @@ class Plan(NamedTuple):
     segments: int = 1  # one sequence in this many parts, overlapping launches (SEGMENTS)
     seg_prepare: bool = False  # parts: the prepare in parts too (SEG_PREPARE)
     groups: int = 1  # a batch of one-pass scans in this many groups of sequences, overlapping launches (GROUPS)
+    cut: int = 0  # the cut-and-correct path with segments of this many chunks (CUT; 0: off), see .cut
+    cut_bv: int = 32  # its local pass' column block (CUT_BV)
 
     @property
     def segment_ratio(self) -> float | None:
@@ -330,7 +334,9 @@ class Plan(NamedTuple):
         ``prepare``: launch options (``num_warps``, ``num_stages`` (1 only), ``maxnreg``), the column blocks ``BKC`` /
         ``BVC`` and the kernel flags ``DIAG_ROWS`` (4, 8, 16), ``BLOCK_INV`` (0, 1), ``SCALE_K``, over the default
         ones. ``scan``: ``BV`` and launch options, ``SPLIT``, ``SEGMENTS``, ``SEG_PREPARE``, ``GROUPS`` and
-        ``SCAN_T`` (off unless set), replacing the default scan config."""
+        ``SCAN_T`` (off unless set), replacing the default scan config; ``CUT`` (chunks per segment) and ``CUT_BV``
+        take the cut-and-correct path (:mod:`kernels_triton.gdn.cut`; ``BV`` and the launch options are then its
+        output pass')."""
         plan = self
         if prepare is not None:
             _check_keys("prepare", prepare, PREPARE_FLAGS + PREPARE_BLOCKS + LAUNCH_OPTIONS)
@@ -349,7 +355,7 @@ class Plan(NamedTuple):
             options = {**plan.prepare_options, **{k: v for k, v in prepare.items() if k in LAUNCH_OPTIONS}}
             plan = plan._replace(prepare=plan.prepare._replace(BKC=BKC, BVC=BVC, **flags), prepare_options=options)
         if scan is not None:
-            _check_keys("scan", scan, ("BV", *SCAN_FLAGS, *LAUNCH_OPTIONS))
+            _check_keys("scan", scan, ("BV", *SCAN_FLAGS, *CUT_FLAGS, *LAUNCH_OPTIONS))
             if "BV" not in scan:
                 raise ValueError(f"scan config {scan}: BV is required")
             if device.type == "cuda" and miscompiled_scan(dtype, scan["BV"], scan.get("num_stages", 3)):
@@ -370,9 +376,10 @@ class Plan(NamedTuple):
             if scan_t and not scan_t_fits(K, V, split):
                 raise ValueError(f"scan config SCAN_T=True with K={K}, V={V}, SPLIT={split}: T diag(beta) needs K + V "
                                  f">= {C} (W and U's place) in the one-pass scan, K >= {C} (W's) in the split scan")
+            cut, cut_bv = cut_path.check_cut(scan, K, V)
             plan = plan._replace(scan=plan.scan._replace(BV=scan["BV"], SCAN_T=scan_t),
                                  prepare=plan.prepare._replace(T_OUT=scan_t), split=split, segments=segments,
-                                 seg_prepare=seg_prepare, groups=groups,
+                                 seg_prepare=seg_prepare, groups=groups, cut=cut, cut_bv=cut_bv,
                                  scan_options={k: v for k, v in scan.items() if k in LAUNCH_OPTIONS})
         return plan
 
