@@ -27,10 +27,14 @@ import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from PIL import Image, ImageOps
+
+if TYPE_CHECKING:
+    from qwen35.vision import VisionConfig
 
 MAX_ASPECT_RATIO = 200  # HF's smart_resize refuses longer / shorter sides beyond this ratio
 # Still-image formats a chat client sends (the ones OpenAI's API takes, plus BMP and TIFF).
@@ -107,6 +111,20 @@ class ImageProcessorConfig:
             resample=int(raw.get("resample", d.resample)),
         )
         return cls(**kw, limits=limits or ImageLimits())
+
+    @classmethod
+    def for_tower(cls, tower: VisionConfig, given: ImageProcessorConfig | None = None) -> ImageProcessorConfig:
+        """``given`` (else the defaults at the tower's patch sizes), checked against the tower: ValueError unless
+        its patch, temporal-patch and merge sizes are the tower's (``preprocessor_config.json`` against
+        ``config.json``'s ``vision_config``)."""
+        sizes = (tower.patch_size, tower.temporal_patch_size, tower.spatial_merge_size)
+        if given is None:
+            return cls(patch_size=sizes[0], temporal_patch_size=sizes[1], merge_size=sizes[2])
+        mine = (given.patch_size, given.temporal_patch_size, given.merge_size)
+        if mine != sizes:
+            raise ValueError(f"image processor (patch_size, temporal_patch_size, merge_size)={mine} differs from the "
+                             f"vision tower's {sizes} (preprocessor_config.json vs config.json's vision_config)")
+        return given
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike, limits: ImageLimits | None = None) -> ImageProcessorConfig:
@@ -256,6 +274,23 @@ def num_image_tokens(height: int, width: int, cfg: ImageProcessorConfig | None =
     cfg = cfg or ImageProcessorConfig()
     h, w = smart_resize(height, width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
     return (h // cfg.patch_size) * (w // cfg.patch_size) // cfg.merge_size**2
+
+
+def max_image_tokens(cfg: ImageProcessorConfig | None = None) -> int:
+    """An upper bound on :func:`num_image_tokens` over every image size :func:`smart_resize` accepts.
+
+    Three cases: a resized area within ``max_pixels`` (at most ``max_pixels / factor^2`` tokens); a scale-down
+    that clamps the short side to one ``factor`` (the long side is then at most ``sqrt(200 * max_pixels)``); a
+    scale-up to ``min_pixels``, each side rounded up by less than one ``factor``. What a host sizes its
+    encoder cache by.
+    """
+    cfg = cfg or ImageProcessorConfig()
+    f, r = cfg.factor, MAX_ASPECT_RATIO
+    within = cfg.max_pixels // f**2
+    clamped = math.isqrt(r * cfg.max_pixels) // f
+    root = math.sqrt(cfg.min_pixels)
+    scaled_up = math.floor(cfg.min_pixels / f**2 + root / f * (math.sqrt(r) + 1 / math.sqrt(r)) + 1)
+    return max(within, clamped, scaled_up)
 
 
 def patchify(pixels: np.ndarray, cfg: ImageProcessorConfig) -> np.ndarray:

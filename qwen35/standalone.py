@@ -532,15 +532,7 @@ def _image_processor_for(cfg: Qwen35Config, given: ImageProcessorConfig | None) 
     patch, temporal-patch and merge sizes are the tower's."""
     from qwen35.image_processor import ImageProcessorConfig
 
-    v = cfg.vision
-    tower = (v.patch_size, v.temporal_patch_size, v.spatial_merge_size)
-    if given is None:
-        return ImageProcessorConfig(patch_size=tower[0], temporal_patch_size=tower[1], merge_size=tower[2])
-    mine = (given.patch_size, given.temporal_patch_size, given.merge_size)
-    if mine != tower:
-        raise ValueError(f"image processor (patch_size, temporal_patch_size, merge_size)={mine} differs from the "
-                         f"vision tower's {tower} (preprocessor_config.json vs config.json's vision_config)")
-    return given
+    return ImageProcessorConfig.for_tower(cfg.vision, given)
 
 
 def sample(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,

@@ -346,3 +346,71 @@ def _discarded_generator_states(runner) -> dict:  # noqa: ANN001 - vLLM's model 
         return {}
     rows = np.nonzero(runner.discard_request_mask.np[: runner.input_batch.num_reqs])[0]
     return {int(i): generators[int(i)].get_state() for i in rows if int(i) in generators}
+
+
+# ----------------------------------------------------------------------------- multimodal (images)
+
+
+@dataclass(frozen=True)
+class MultimodalApi:
+    """The vLLM objects :mod:`qwen35.vllm_multimodal` builds its image path on, resolved for the installed version."""
+
+    version: tuple[int, int, int]
+    registry: Any  # vLLM's MULTIMODAL_REGISTRY
+    SupportsMultiModal: type
+    BaseProcessingInfo: type
+    BaseDummyInputsBuilder: type
+    BaseMultiModalProcessor: type
+    ProcessorInputs: type
+    MultiModalFieldConfig: type
+    PromptReplacement: type
+    ImageProcessorItems: type
+    BatchFeature: type
+    processor_takes_prompt: bool
+    """The processor's main step takes the prompt and returns its ids (0.26) rather than only the media (0.32)."""
+
+
+@functools.cache
+def multimodal_api() -> MultimodalApi:
+    """Check the version and resolve the multimodal internals (once per process)."""
+    import inspect
+
+    version = check_supported()
+    r = resolve
+    processor = r("BaseMultiModalProcessor", ["vllm.multimodal.processing:BaseMultiModalProcessor"])
+    main = getattr(processor, "_apply_hf_processor_main", None)
+    if main is None:
+        raise UnsupportedVllm(f"qwen35's image path supports vLLM {SUPPORTED_RANGE}; this vLLM "
+                              f"{_installed_version_text()} has no BaseMultiModalProcessor._apply_hf_processor_main")
+    return MultimodalApi(
+        version=version,
+        registry=r("MULTIMODAL_REGISTRY", ["vllm.multimodal:MULTIMODAL_REGISTRY"]),
+        SupportsMultiModal=r("SupportsMultiModal", ["vllm.model_executor.models.interfaces:SupportsMultiModal"]),
+        BaseProcessingInfo=r("BaseProcessingInfo", ["vllm.multimodal.processing:BaseProcessingInfo"]),
+        BaseDummyInputsBuilder=r("BaseDummyInputsBuilder", ["vllm.multimodal.processing:BaseDummyInputsBuilder"]),
+        BaseMultiModalProcessor=processor,
+        ProcessorInputs=r("ProcessorInputs", ["vllm.multimodal.processing:ProcessorInputs"]),
+        MultiModalFieldConfig=r("MultiModalFieldConfig", ["vllm.multimodal.inputs:MultiModalFieldConfig"]),
+        PromptReplacement=r("PromptReplacement", ["vllm.multimodal.processing:PromptReplacement"]),
+        ImageProcessorItems=r("ImageProcessorItems", ["vllm.multimodal.parse:ImageProcessorItems"]),
+        BatchFeature=r("BatchFeature", ["transformers:BatchFeature"]),
+        processor_takes_prompt="prompt" in inspect.signature(main).parameters,
+    )
+
+
+def image_processor_main_step(api: MultimodalApi) -> Callable[..., Any]:
+    """The ``_apply_hf_processor_main`` of a processor that computes its media tensors itself.
+
+    The processor class defines ``_process_media(mm_items) -> BatchFeature`` and ``_prompt_ids(prompt,
+    tokenization_kwargs) -> list[int]``. vLLM 0.32 calls the step with the media only (the renderer has
+    tokenized the prompt); 0.26 calls it with the prompt (text or ids) too and takes back the ids, the
+    tensors and whether the prompt updates were applied (never: vLLM applies them, the same way in both).
+    """
+    if api.processor_takes_prompt:
+        def main_step(self, prompt, mm_items, hf_processor_mm_kwargs, tokenization_kwargs, *,  # noqa: ANN001, ANN202
+                      enable_hf_prompt_update):
+            return self._prompt_ids(prompt, tokenization_kwargs), self._process_media(mm_items), False
+    else:
+        def main_step(self, mm_items, hf_kwargs):  # noqa: ANN001, ANN202
+            return self._process_media(mm_items)
+    return main_step

@@ -1,9 +1,9 @@
 """vLLM host: runs :class:`qwen35.model.Qwen35Model` inside vLLM's V1 engine.
 
-Registered (by :mod:`qwen35.vllm_plugin`) for ``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``,
-``Qwen3_5ForConditionalGeneration`` and ``Qwen3_5MoeForConditionalGeneration``; the last two are
-text-only for now (the class declares no multimodal support, so vLLM rejects image/video input
-before it reaches the engine).
+Registered (by :mod:`qwen35.vllm_plugin`) for ``Qwen3_5ForCausalLM`` and ``Qwen3_5MoeForCausalLM``: this
+class declares no multimodal support, so vLLM refuses image/video input before it reaches the engine. The
+``*ForConditionalGeneration`` architectures get its subclass :class:`qwen35.vllm_multimodal.Qwen35VisionForVllm`,
+which adds the vision tower.
 
 What this host supplies to the model:
 
@@ -184,7 +184,7 @@ def _local_state_shapes(cfg: Qwen35Config, tp_size: int) -> tuple[tuple[int, int
 
 
 class Qwen35ForVllm(nn.Module, api.HasInnerState, api.IsHybrid, api.SupportsMRoPE):
-    """The vLLM model class for every Qwen3.5 architecture (dense / MoE, CausalLM / text-only CG)."""
+    """The vLLM model class of the text-only Qwen3.5 architectures (dense / MoE ``*ForCausalLM``)."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -215,7 +215,8 @@ class Qwen35ForVllm(nn.Module, api.HasInnerState, api.IsHybrid, api.SupportsMRoP
     def get_mrope_input_positions(self, input_tokens: list[int], mm_features: list) -> tuple[torch.Tensor, int]:
         """Text-only: all three mrope rows are the plain positions."""
         if mm_features:
-            raise ValueError("qwen35: this Qwen3.5 host is text-only; image/video inputs are not supported yet")
+            raise ValueError("qwen35: this checkpoint is text-only (a *ForCausalLM without a vision tower): it takes "
+                             "no image/video inputs")
         return torch.arange(len(input_tokens), dtype=torch.long).unsqueeze(0).expand(3, -1), 0
 
     # ---- hybrid-cache contract (classmethods: vLLM sizes pages before building the model)
