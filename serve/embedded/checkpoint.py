@@ -2,16 +2,26 @@
 
 `ensure_checkpoint()` returns a directory holding a complete Hugging Face style checkpoint:
 `config.json`, `model.safetensors` (random weights from a fixed seed), `generation_config.json`,
-`tokenizer.json` + `tokenizer_config.json` (the embedded byte-level BPE) and `chat_template.jinja`
-(our Qwen3.5 chat format). It is built once and cached on disk under a directory named by a hash
+`tokenizer.json` + `tokenizer_config.json` (the embedded byte-level BPE), `chat_template.jinja`
+(our Qwen3.5 chat format) and whatever extra files the architecture needs (`preprocessor_config.json`
+for one that takes images). It is built once and cached on disk under a directory named by a hash
 of everything that determines its bytes, so a changed writer, tokenizer or template gets a fresh
 directory and an unchanged one is reused.
 
-The architecture is pluggable: an `ArchitectureWriter` says how to write `config.json` and the
-weights for one architecture. Registered here: `Qwen3_5ForCausalLM` (from `qwen35.tiny`, served
-through our vLLM plugin; the default, what `qwen35-serve` serves with no model given) and
-`Qwen3ForCausalLM` (built into vLLM; a baseline for testing vLLM without our plugin). Others can be added with
-`register_architecture()` or named as `"package.module:ATTRIBUTE"`, imported on first use.
+The architecture is pluggable: an `ArchitectureWriter` says how to write `config.json`, the weights
+and any extra files for one architecture. Registered here, all from `qwen35.tiny`'s dense hybrid
+except the baseline:
+
+- `Qwen3_5ForConditionalGeneration` (the default, what `qwen35-serve` serves with no model given):
+  the decoder plus a one-block vision tower whose merger maps into the decoder's width, its image
+  token ids the embedded tokenizer's `<|image_pad|>`, `<|vision_start|>` and `<|vision_end|>`, and
+  a `preprocessor_config.json` that resizes every image to between 64 x 64 and 256 x 256 pixels
+  (4 to 64 image tokens), so images cost little on a CPU;
+- `Qwen3_5ForCausalLM`: the same decoder, text only;
+- `Qwen3ForCausalLM` (built into vLLM; a baseline for testing vLLM without our plugin).
+
+Others can be added with `register_architecture()` or named as `"package.module:ATTRIBUTE"`,
+imported on first use.
 """
 
 from __future__ import annotations
@@ -32,18 +42,22 @@ import torch
 from serve.embedded.tokenizer import CONTROL_TOKENS, EOS_TOKEN, PAD_TOKEN, tokenizer_config, train_tokenizer
 
 TEMPLATE_PATH = Path(__file__).with_name("chat_template.jinja")
-DEFAULT_ARCHITECTURE = "Qwen3_5ForCausalLM"
+DEFAULT_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+# the embedded vision model's image bounds: one image token covers 32 x 32 pixels
+EMBEDDED_MIN_PIXELS = 64 * 64
+EMBEDDED_MAX_PIXELS = 256 * 256
 DEFAULT_MAX_POSITION = 4096
 CACHE_ENV = "QWEN35_CACHE_DIR"
 
 
 @dataclass(frozen=True)
 class ArchitectureWriter:
-    """How to write one architecture's `config.json` and weights.
+    """How to write one architecture's `config.json`, weights and extra files.
 
     `config(vocab_size, max_position, special_ids)` returns the config dict (without `architectures`,
     which is filled in from `architecture`); `weights(config, seed)` returns the named tensors, and
-    must be a pure function of its arguments. Bump `version` whenever either function's output
+    must be a pure function of its arguments; `files(config)`, when given, returns further files by
+    name (their text is part of the cache key). Bump `version` whenever a function's output
     changes, so cached checkpoints are rebuilt.
     """
 
@@ -51,6 +65,7 @@ class ArchitectureWriter:
     version: str
     config: Callable[[int, int, dict[str, int]], dict]
     weights: Callable[[dict, int], dict[str, torch.Tensor]]
+    files: Callable[[dict], dict[str, str]] | None = None
 
 
 _WRITERS: dict[str, ArchitectureWriter] = {}
@@ -183,6 +198,57 @@ register_architecture(
 
 
 # ---------------------------------------------------------------------------------------------
+# Qwen3_5ForConditionalGeneration: the same decoder under model.language_model.*, qwen35.tiny's one-block vision
+# tower under model.visual.* (random, seeded), the image token ids of the embedded tokenizer. qwen35.tiny's and
+# qwen35.vision_checkpoint's sources are part of the cache key.
+
+
+def _qwen35_vl_spec(vocab_size: int, max_position: int, seed: int = 0):
+    from qwen35.tiny import TinySpec
+
+    return TinySpec(moe=False, conditional=True, seed=seed,
+                    overrides={"vocab_size": vocab_size, "max_position_embeddings": max_position})
+
+
+def _qwen35_vl_config(vocab_size: int, max_position: int, special_ids: dict[str, int]) -> dict:
+    from qwen35.tiny import config_json
+
+    config = config_json(_qwen35_vl_spec(vocab_size, max_position))
+    del config["architectures"]
+    ids = dict(bos_token_id=special_ids[PAD_TOKEN], eos_token_id=special_ids[EOS_TOKEN],
+               pad_token_id=special_ids[PAD_TOKEN])
+    config["text_config"].update(ids)
+    config.update(ids, image_token_id=special_ids["<|image_pad|>"], video_token_id=special_ids["<|video_pad|>"],
+                  vision_start_token_id=special_ids["<|vision_start|>"],
+                  vision_end_token_id=special_ids["<|vision_end|>"])
+    return config
+
+
+def _qwen35_vl_weights(config: dict, seed: int) -> dict[str, torch.Tensor]:
+    from qwen35.tiny import checkpoint_tensors
+
+    text = config["text_config"]
+    tensors = checkpoint_tensors(_qwen35_vl_spec(text["vocab_size"], text["max_position_embeddings"], seed))
+    return {name: t for name, t in tensors.items() if not name.startswith("mtp.")}  # no MTP head to skip
+
+
+def _qwen35_vl_files(config: dict) -> dict[str, str]:
+    from qwen35.tiny import preprocessor_json
+
+    text = config["text_config"]
+    processor = preprocessor_json(_qwen35_vl_spec(text["vocab_size"], text["max_position_embeddings"]))
+    processor["size"] = {"shortest_edge": EMBEDDED_MIN_PIXELS, "longest_edge": EMBEDDED_MAX_PIXELS}
+    return {"preprocessor_config.json": json.dumps(processor, indent=2, sort_keys=True) + "\n"}
+
+
+register_architecture(
+    ArchitectureWriter("Qwen3_5ForConditionalGeneration",
+                       "1-" + _source_digest("qwen35.tiny") + "-" + _source_digest("qwen35.vision_checkpoint"),
+                       _qwen35_vl_config, _qwen35_vl_weights, _qwen35_vl_files)
+)
+
+
+# ---------------------------------------------------------------------------------------------
 
 
 def _padded(n: int, multiple: int = 64) -> int:
@@ -212,6 +278,8 @@ def _plan(architecture: str, max_position: int, seed: int) -> tuple[Architecture
         "tokenizer_config.json": json.dumps(tokenizer_config(max_position), indent=2) + "\n",
         "chat_template.jinja": TEMPLATE_PATH.read_text(),
     }
+    if writer.files is not None:
+        files.update(writer.files(config))
     digest = hashlib.sha256(f"{writer.architecture}|{writer.version}|seed={seed}".encode())
     for name in sorted(files):
         digest.update(name.encode() + b"\0" + files[name].encode() + b"\0")
