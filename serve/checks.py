@@ -11,7 +11,9 @@ things:
    a number, and vLLM's own validators (stream options, logprobs, ...) run before anything is queued;
 3. our policy: the `n` cap (`best_of`, generative-scoring items and the generate route's
    `sampling_params.n` alike), output token bounds (at least 1, at most the served context),
-   no image/audio/video on a text-only model, and the thinking switches of chat requests.
+   no image/audio/video on a text-only model (saying why: the checkpoint has no vision encoder, or the
+   config says `text_only`), no audio/video/file parts on a model that takes images only, and the
+   thinking switches of chat requests. The images themselves are checked by `serve.images`.
 
 The thinking switches: `thinking: {"type": "enabled" | "disabled"}` (Anthropic style; `budget_tokens`
 is accepted and ignored) and a top-level `enable_thinking` (Qwen style) become
@@ -35,6 +37,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 RESPONSES_ROLES = ("system", "developer", "user", "assistant")
 MEDIA_PARTS = ("image_url", "input_image", "image", "image_pil", "image_embeds", "input_audio", "audio_url",
                "audio", "video_url", "video", "file", "input_file", "document")  # fmt: skip
+IMAGE_PARTS = ("image_url", "input_image", "image", "image_pil", "image_embeds")
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 TOOL_NAME = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 MAX_SCHEMA_DEPTH = 64
@@ -56,6 +59,10 @@ class Policy:
 
     max_n: int = 8
     text_only: bool = False
+    text_only_reason: str = ""
+    """Why the server takes text only, e.g. 'its Qwen3_5ForCausalLM checkpoint has no vision encoder'."""
+    images_only: bool = False
+    """The model takes images but no audio, video or files."""
     model_name: str = "the model"
     max_model_len: int | None = None
     thinking_off_with_tools: bool = False
@@ -169,8 +176,9 @@ def check_output_tokens(body: dict, fields: tuple[str, ...], policy: Policy, whe
 
 
 def _media_refused(where: str, part_type: str, policy: Policy) -> RequestError:
-    return RequestError(f"{where}: this server's model ({policy.model_name}) takes text only, so '{part_type}' "
-                        "parts are not accepted; send the content as text", f"{where}.type")  # fmt: skip
+    why = f" ({policy.text_only_reason})" if policy.text_only_reason else ""
+    return RequestError(f"{where}: this server's model ({policy.model_name}) takes text only{why}, so "
+                        f"'{part_type}' parts are not accepted; send the content as text", f"{where}.type")  # fmt: skip
 
 
 def check_parts(content: object, where: str, policy: Policy) -> None:
@@ -181,6 +189,9 @@ def check_parts(content: object, where: str, policy: Policy) -> None:
             raise RequestError(f"{where}[{j}] must be an object with a type", f"{where}[{j}]")
         if policy.text_only and part_type in MEDIA_PARTS:
             raise _media_refused(f"{where}[{j}]", part_type, policy)
+        if policy.images_only and part_type in MEDIA_PARTS and part_type not in IMAGE_PARTS:
+            raise RequestError(f"{where}[{j}]: this server's model ({policy.model_name}) takes text and images "
+                               f"only, so '{part_type}' parts are not accepted", f"{where}[{j}].type")  # fmt: skip
         nested = part.get("content")
         if isinstance(nested, list):  # tool results carrying parts (Anthropic)
             check_parts(nested, f"{where}[{j}].content", policy)

@@ -123,6 +123,16 @@ class ServeConfig(BaseModel):
         "(null: no limit; the embedded random-weight model never ends a string on its own)",
         ge=1,
     )
+    fetch_images: Bool | None = opt(
+        OURS,
+        "fetch the http(s) image URLs that requests name (our middleware fetches, checks and inlines them; only "
+        "the hosts of allowed_media_domains when that is set); false: such requests are answered 400 and vLLM "
+        "is kept from fetching any URL (send images as data: URLs)",
+    )
+    max_image_bytes: Int | None = opt(OURS, "largest encoded image a request may hold or fetch (more is answered "
+                                            "400)", ge=1024)  # fmt: skip
+    max_image_pixels: Int | None = opt(OURS, "most pixels (width x height, read from the image's header) an image "
+                                             "may have (more is answered 400)", ge=1)  # fmt: skip
     vllm_args: StrList | None = opt(OURS, "extra vLLM command-line arguments, appended verbatim")
     # -- model -----------------------------------------------------------------------------------
     model: Str | None = opt(PLAIN, "checkpoint directory or hub id (null: the embedded tiny Qwen3.5 checkpoint)")
@@ -152,7 +162,9 @@ class ServeConfig(BaseModel):
     language_model_only: Bool | None = opt(FLAG)
     hf_overrides: Mapping_ | None = opt(JSON)
     override_generation_config: Mapping_ | None = opt(JSON)
-    limit_mm_per_prompt: Mapping_ | None = opt(JSON)
+    limit_mm_per_prompt: Mapping_ | None = opt(
+        JSON, "vLLM option: most items of each medium one prompt may hold ({image: 16}; more is answered 400)")
+    allowed_media_domains: StrList | None = opt(NARGS, "vLLM option: the only hosts media URLs may be fetched from")
     # -- server ----------------------------------------------------------------------------------
     host: Str | None = opt(PLAIN, "vLLM option: address to bind")
     port: Int | None = opt(PLAIN, "vLLM option: port to bind", ge=1, le=65535)
@@ -244,7 +256,8 @@ OPTIONS: dict[str, Option] = {name: _option(name, info) for name, info in ServeC
 
 # Qwen3.5 serving defaults: its reasoning format, its tool-call format, tool calls parsed from
 # replies with forced and required calls constrained to each tool's schema, cached prompt tokens
-# reported in usage (what replay benchmarks read), and the request policy of our middleware.
+# reported in usage (what replay benchmarks read), the request policy of our middleware, and images:
+# at most 16 per prompt, inline only (no fetching), at most 20 MiB and 8192 x 8192 pixels each.
 QWEN35_DEFAULTS: dict[str, object] = {
     "reasoning_parser": "qwen3",
     "enable_auto_tool_choice": True,
@@ -257,7 +270,14 @@ QWEN35_DEFAULTS: dict[str, object] = {
     "max_tool_calls": 8,
     "admin_routes": False,
     "public_metrics": True,
+    "fetch_images": False,
+    "max_image_bytes": 20 * 1024 * 1024,
+    "max_image_pixels": 8192 * 8192,
+    "limit_mm_per_prompt": {"image": 16},
 }
+# What vLLM is told when fetching is off: media URLs may come from this host only, which never resolves (the
+# .invalid top-level domain is reserved), so no route makes vLLM fetch anything.
+NO_FETCH_DOMAINS = ["fetching-is-off.invalid"]
 
 
 def _shown(value: object) -> str:

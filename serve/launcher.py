@@ -10,7 +10,8 @@ Every key of `serve.config.OPTIONS` is also a command-line override (`--max-mode
    with thinking off unless a request asks for it (a random-weight model never ends its thinking);
 3. fills unset keys with Qwen3.5's serving defaults and, on a CPU host, the CPU engine's settings
    (eager mode, a KV cache size, scheduling that keeps token gaps short, thread binding for
-   tensor parallelism);
+   tensor parallelism); with `fetch_images` off (the default) vLLM is also told that media URLs may
+   come from no reachable host, so no route fetches one;
 4. reads the API key(s): `api_key` (config or `--api-key`, which prints a WARNING: a command line
    is visible to every user of the host), else the file named by `api_key_file`, else vLLM's
    `VLLM_API_KEY` environment variable; keys are never logged or printed;
@@ -39,6 +40,7 @@ from collections.abc import Sequence
 from serve.config import (
     BOOL,
     MAPPING,
+    NO_FETCH_DOMAINS,
     OPTIONS,
     QWEN35_DEFAULTS,
     STR,
@@ -62,6 +64,9 @@ COMPAT_KEYS = (
     "public_metrics",
     "tool_string_max_chars",
     "max_tool_calls",
+    "fetch_images",
+    "max_image_bytes",
+    "max_image_pixels",
 )
 CPU_KV_CACHE = "4G"
 COMMAND_LINE_KEY_WARNING = (
@@ -201,6 +206,8 @@ def plan(file_settings: dict, overrides: dict, cpu: bool | None = None) -> tuple
         host, env = cpu_defaults(resolve(*layers, user))
         layers.append(host)
     settings = resolve(*layers, user)
+    if not settings.get("fetch_images"):
+        settings["allowed_media_domains"] = list(NO_FETCH_DOMAINS)  # no route makes vLLM fetch a URL
     settings["middleware"] = [m for m in _as_list(settings.get("middleware")) if m != MIDDLEWARE] + [MIDDLEWARE]
     if "api_key" not in settings and "api_key_file" in settings:
         settings["api_key"] = read_key_file(settings["api_key_file"])

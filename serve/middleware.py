@@ -13,6 +13,9 @@ middleware and routes, and every response on its way out. For each HTTP request 
   and runs that route's checks (`serve.checks`): malformed or non-standard JSON (`NaN`, nesting
   deeper than the parser's limit), the route's vLLM request model in strict mode, and our policy,
   each answered 400 naming the field before the engine sees anything;
+- when the model takes images, checks the image parts of every route that carries messages
+  (`serve.images`): their number, each `data:` URL decoded by our image decoder, `http(s)` URLs
+  refused unless `fetch_images` is on (then fetched here and inlined), each failure a 400;
 - drops `delta.content` from streamed replies with a forced tool choice (`required` or a named
   function): the grammar allows nothing but tool calls there, and vLLM's streaming Qwen3 parser
   lets the `<tool_call>` markup through as text when a model spells it with ordinary tokens;
@@ -39,8 +42,8 @@ import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, fields
 
-from serve import lifecycle, routes, toolcalls
-from serve.checks import Policy, RequestError, check_request, checked_templates, parse_json
+from serve import images, lifecycle, routes, toolcalls
+from serve.checks import Policy, RequestError, Rewrite, check_request, checked_templates, parse_json
 
 log = logging.getLogger("vllm.qwen35.serve")
 
@@ -66,6 +69,9 @@ class CompatSettings:
     public_metrics: bool = True
     tool_string_max_chars: int | None = None
     max_tool_calls: int | None = 8
+    fetch_images: bool = False
+    max_image_bytes: int = images.DEFAULT_MAX_BYTES
+    max_image_pixels: int = images.DEFAULT_MAX_PIXELS
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # empty: read vLLM's args / VLLM_API_KEY
 
     @classmethod
@@ -197,6 +203,8 @@ class _Resolved:
     policy: Policy
     models: dict[str, object]
     """The pydantic request model of each checked route template, from the app's routes."""
+    images: images.ImagePolicy | None = None
+    """What the image checks accept; None: the model takes no images (the policy refuses them) or is unknown."""
 
 
 def _request_models(app: object) -> dict[str, object]:
@@ -230,15 +238,16 @@ class RequestCompatMiddleware:
             keys = [os.environ["VLLM_API_KEY"]]
         names = getattr(args, "served_model_name", None) or [getattr(args, "model", None) or "the model"]
         model_config = getattr(getattr(state, "vllm_config", None), "model_config", None)
-        text_only = settings.text_only
-        if text_only is None:
-            text_only = model_config is not None and not getattr(model_config, "is_multimodal_model", True)
-        policy = Policy(max_n=settings.max_n, text_only=text_only, model_name=names[0],
+        text_only, reason = _text_only(settings, model_config)
+        architecture = getattr(model_config, "architecture", None)
+        policy = Policy(max_n=settings.max_n, text_only=text_only, text_only_reason=reason, model_name=names[0],
+                        images_only=not text_only and architecture in images.IMAGE_ONLY_ARCHITECTURES,
                         max_model_len=getattr(model_config, "max_model_len", None),
                         thinking_off_with_tools=settings.thinking_off_with_tools,
                         max_tool_calls=settings.max_tool_calls)  # fmt: skip
         resolved = _Resolved(settings, [hashlib.sha256(k.encode()).digest() for k in keys], policy,
-                             _request_models(app))  # fmt: skip
+                             _request_models(app), None if text_only else _image_policy(settings, model_config, args,
+                                                                                        names[0]))  # fmt: skip
         if state is None or getattr(state, "vllm_config", None) is not None or self._settings is not None:
             self._resolved = resolved  # cache once vLLM's state is complete
         return resolved
@@ -267,16 +276,19 @@ class RequestCompatMiddleware:
             return
         send = errors = _ErrorBodies(send)
         method = scope.get("method", "GET")
-        if method == "POST" and template in checked_templates():
+        checked = template in checked_templates()
+        image_checked = resolved.images is not None and template in images.IMAGE_ROUTES
+        if method == "POST" and (checked or image_checked):
             try:
                 raw = await self._read_body(scope, receive, settings.max_request_bytes)
-                payload = parse_json(raw)
-                if not isinstance(payload, dict):
-                    raise RequestError(f"request body must be a JSON object, got {type(payload).__name__}")
-                rewrite = check_request(template, payload, resolved.policy, resolved.models.get)
+                rewrite = self._checked(raw, template, resolved, checked)
+                if rewrite is not None and image_checked:
+                    rewrite.changed |= await images.check_images(template, rewrite.body, resolved.images)
             except RequestError as e:
                 await send_error(send, e.status, e.message, e.param)
                 return
+            if rewrite is None:  # a body the route's own parser answers (no checks of ours on this route)
+                rewrite = Rewrite({})
             if rewrite.changed:
                 raw = json.dumps(rewrite.body).encode()
                 headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"content-length"]
@@ -297,6 +309,21 @@ class RequestCompatMiddleware:
         finally:
             if limit_token is not None:
                 toolcalls.CALL_LIMIT.reset(limit_token)
+
+    @staticmethod
+    def _checked(raw: bytes, template: str, resolved: _Resolved, checked: bool) -> Rewrite | None:
+        """The route's checks on the body (``checked``); else, for a route that only gets the image checks,
+        the body as it is, or None when it is not a JSON object (vLLM answers that)."""
+        if not checked:
+            try:
+                payload = json.loads(raw)
+            except (ValueError, RecursionError):
+                return None
+            return Rewrite(payload) if isinstance(payload, dict) else None
+        payload = parse_json(raw)
+        if not isinstance(payload, dict):
+            raise RequestError(f"request body must be a JSON object, got {type(payload).__name__}")
+        return check_request(template, payload, resolved.policy, resolved.models.get)
 
     def _refusal(self, scope: Scope, kind: str, template: str | None, resolved: _Resolved) -> tuple[int, str] | None:
         """(status, message) when the request is refused before any other check, else None."""
@@ -359,6 +386,29 @@ class RequestCompatMiddleware:
             chunks.append(chunk)
             if not message.get("more_body"):
                 return b"".join(chunks)
+
+
+def _text_only(settings: CompatSettings, model_config: object) -> tuple[bool, str]:
+    """Whether the server refuses every media part, and why (for the 400's message)."""
+    if settings.text_only:
+        return True, "this server is configured text_only: true"
+    if settings.text_only is None and model_config is not None and not getattr(model_config, "is_multimodal_model",
+                                                                                True):  # fmt: skip
+        architecture = getattr(model_config, "architecture", None) or "its"
+        return True, f"its {architecture} checkpoint has no vision encoder"
+    return False, ""
+
+
+def _image_policy(settings: CompatSettings, model_config: object, args: object, name: str) -> images.ImagePolicy | None:
+    """The image checks' settings, when the model takes images: vLLM's image limit per prompt, our fetch switch
+    and limits, vLLM's allowed_media_domains (the hosts fetching may reach)."""
+    mm = getattr(model_config, "multimodal_config", None)
+    if mm is None or not hasattr(mm, "get_limit_per_prompt"):
+        return None
+    domains = getattr(args, "allowed_media_domains", None) or ()
+    return images.ImagePolicy(limit=int(mm.get_limit_per_prompt("image")), fetch=settings.fetch_images,
+                              max_bytes=settings.max_image_bytes, max_pixels=settings.max_image_pixels,
+                              domains=tuple(domains), model_name=name)  # fmt: skip
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

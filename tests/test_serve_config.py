@@ -13,6 +13,7 @@ import pytest
 
 from serve import launcher
 from serve.config import (
+    NO_FETCH_DOMAINS,
     OPTIONS,
     OURS,
     QWEN35_DEFAULTS,
@@ -56,6 +57,9 @@ def test_unknown_key_names_it_suggests_the_nearest_and_lists_the_valid_ones(tmp_
         ("gpu_memory_utilization: 1.5\n", "key 'gpu_memory_utilization': expected a number in [0.01, 1], got 1.5"),
         ("gpu_memory_utilization: .inf\n", "key 'gpu_memory_utilization': expected a number in [0.01, 1], got inf"),
         ("max_request_bytes: 10\n", "key 'max_request_bytes': expected an integer >= 1024, got 10 (int)"),
+        ("fetch_images: 'yes'\n", "key 'fetch_images': expected true or false, got 'yes' (str)"),
+        ("max_image_pixels: 0\n", "key 'max_image_pixels': expected an integer >= 1, got 0 (int)"),
+        ("allowed_media_domains: a.example\n", "key 'allowed_media_domains': expected a list of strings"),
         ("admin_routes: on please\n", "key 'admin_routes': expected true or false, got 'on please' (str)"),
         ("api_key_file: [a]\n", "key 'api_key_file': expected a string, got ['a'] (list)"),
         ("port: 70000\n", "key 'port': expected an integer in [1, 65535], got 70000 (int)"),
@@ -121,8 +125,12 @@ def test_plan_without_a_model_serves_the_embedded_qwen35_checkpoint(monkeypatch,
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
     settings, env = launcher.plan({"port": 9000}, {"max_model_len": 2048}, cpu=True)
     model = Path(settings["model"])
-    assert model.parent == tmp_path / "embedded" and model.name.startswith("Qwen3_5ForCausalLM-")
-    assert json.loads((model / "config.json").read_text())["architectures"] == ["Qwen3_5ForCausalLM"]
+    assert model.parent == tmp_path / "embedded" and model.name.startswith("Qwen3_5ForConditionalGeneration-")
+    config = json.loads((model / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3_5ForConditionalGeneration"] and "vision_config" in config
+    assert (model / "preprocessor_config.json").is_file(), "the embedded model takes images"
+    assert settings["fetch_images"] is False and settings["allowed_media_domains"] == NO_FETCH_DOMAINS
+    assert settings["limit_mm_per_prompt"] == {"image": 16}
     for key, value in QWEN35_DEFAULTS.items():
         assert settings[key] == launcher.EMBEDDED_DEFAULTS.get(key, value)
     assert settings["default_chat_template_kwargs"] == {"enable_thinking": False}, "the embedded model: thinking off"
@@ -144,6 +152,11 @@ def test_plan_with_a_model_keeps_the_user_settings_and_adds_cpu_ones(monkeypatch
     assert settings["middleware"] == ["a.B", launcher.MIDDLEWARE]
     gpu, _ = launcher.plan(user, {}, cpu=False)
     assert "kv_cache_memory_bytes" not in gpu and "enforce_eager" in gpu
+    fetching, _ = launcher.plan({**user, "fetch_images": True, "allowed_media_domains": ["img.example"]}, {},
+                                cpu=False)  # fmt: skip
+    assert fetching["allowed_media_domains"] == ["img.example"], "fetching on: the user's hosts reach vLLM"
+    assert launcher.plan({**user, "allowed_media_domains": ["img.example"]}, {}, cpu=False)[0][
+        "allowed_media_domains"] == NO_FETCH_DOMAINS, "fetching off: vLLM may fetch from no host"
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         _, env = launcher.plan({"model": "/m", "tensor_parallel_size": 2}, {}, cpu=True)

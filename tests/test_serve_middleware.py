@@ -280,7 +280,8 @@ def test_thinking_off_with_tools_policy(fields, policy, expected):
          None),
         ("/v1/chat/completions",
          chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
-         r"takes text only, so 'image_url' parts are not accepted", "messages[0].content[0].type"),
+         r"takes text only \(this server is configured text_only: true\), so 'image_url' parts are not accepted",
+         "messages[0].content[0].type"),
         ("/v1/chat/completions", chat(tools=[{"type": "function", "function": {"name": "has space"}}]),
          "function.name must be", None),
         ("/v1/chat/completions", chat(tools=[{"type": "retrieval"}]), r"tools\[0\] must be an object with type "

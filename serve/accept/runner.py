@@ -11,12 +11,13 @@ from datetime import datetime, timezone
 import httpx
 
 # Importing the check modules registers their checks; they run section by section in this order.
-from serve.accept import checks_behaviour, checks_chat, checks_server, checks_structured
+from serve.accept import checks_behaviour, checks_chat, checks_images, checks_server, checks_structured
 from serve.accept.client import Endpoint
 from serve.accept.suite import BEHAVIOUR, CHECKS, PROTOCOL, Check, CheckFailed, CheckSkipped, Suite
 
 PASS, FAIL, SKIP = "PASS", "FAIL", "SKIP"
-SECTIONS = [m.__name__ for m in (checks_server, checks_chat, checks_structured, checks_behaviour)]
+SECTIONS = [m.__name__ for m in (checks_server, checks_chat, checks_structured, checks_images, checks_behaviour)]
+VISION = ("auto", "yes", "no")
 
 
 @dataclass
@@ -127,12 +128,19 @@ def run_suite(
     thinking_switch: bool = True,
     timeout: float = 120.0,
     on_result: Callable[[CheckResult], None] | None = None,
+    vision: str = "auto",
+    max_images: int = 16,
 ) -> Report:
+    if vision not in VISION:
+        raise ValueError(f"vision={vision!r}: expected one of {', '.join(VISION)}")
+    if max_images < 0:
+        raise ValueError(f"max_images={max_images}: expected a count >= 0")
     checks = select_checks(only, kind)
     endpoint = Endpoint(base_url, api_key=api_key, timeout=timeout)
     try:
         model, max_model_len = discover_model(endpoint, model, max_model_len)
-        suite = Suite(endpoint, model, max_model_len=max_model_len, thinking_switch=thinking_switch)
+        suite = Suite(endpoint, model, max_model_len=max_model_len, thinking_switch=thinking_switch, vision=vision,
+                      max_images=max_images)  # fmt: skip
         report = Report(endpoint.base, model, max_model_len, datetime.now(timezone.utc).isoformat(timespec="seconds"))
         start = time.perf_counter()
         for item in checks:

@@ -90,6 +90,10 @@ class Suite:
     max_model_len: int | None = None
     thinking_switch: bool = True
     """Send `chat_template_kwargs.enable_thinking` (vLLM / Qwen). Off: reasoning checks skip."""
+    vision: str = "auto"
+    """Whether the model takes images: `yes`, `no`, or `auto` (the server's answer to one image decides)."""
+    max_images: int = 16
+    """The server's limit of images per request (one more must be refused)."""
     memo: dict[str, Any] = field(default_factory=dict)
 
     # -- building requests -------------------------------------------------------------------
