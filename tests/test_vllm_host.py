@@ -7,9 +7,11 @@ host on the same checkpoints. Every engine runs with prefix caching on and chunk
 are restored from the prefix cache. The model is found through the ``vllm.general_plugins``
 entry point alone: the script never registers anything itself.
 
-Cases: dense ``Qwen3_5ForCausalLM``; MoE ``Qwen3_5MoeForConditionalGeneration`` (per-expert
-tensors, vision/MTP tensors skipped, an image request rejected); MoE at tensor parallel 2 with
-one kv head (replicated across ranks) and a vocabulary that does not split evenly.
+Cases: dense ``Qwen3_5ForCausalLM`` (an image request refused: a text-only checkpoint); MoE
+``Qwen3_5MoeForConditionalGeneration`` (per-expert tensors, the vision tower loaded and an image request
+answered as the standalone host answers it, the MTP tensor skipped); MoE at tensor parallel 2 with one kv
+head (replicated across ranks) and a vocabulary that does not split evenly. Images in depth:
+``tests/test_vllm_images.py``.
 """
 
 from __future__ import annotations
@@ -49,7 +51,16 @@ def _cpu_bind(tp: int) -> str | None:
     return "|".join(str(c) for c in cores[:tp]) if len(cores) >= tp else None
 
 
-def _run_case(path: str, tp: int, check_image: bool) -> dict:
+IMAGE_PROMPT = [5, 1002, 1000, 1003, 7, 8, 9]  # qwen35.tiny's vision-start, image and vision-end token ids
+
+
+def _image():
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, 256, (70, 100, 3), dtype=np.uint8)
+
+
+def _run_case(path: str, tp: int, conditional: bool) -> dict:
     from vllm import LLM, SamplingParams
 
     if tp > 1:  # vLLM CPU binds one OpenMP thread group per rank; a 1-NUMA-node box needs it spelled out
@@ -65,15 +76,14 @@ def _run_case(path: str, tp: int, check_image: bool) -> dict:
               "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens}
     outs = llm.generate([{"prompt_token_ids": p} for p in first], greedy)
     result["first"] = [list(o.outputs[0].token_ids) for o in outs]
-    if check_image:
+    if tp == 1:  # a ConditionalGeneration checkpoint answers an image; a CausalLM one refuses it
         from PIL import Image
 
+        request = {"prompt_token_ids": IMAGE_PROMPT, "multi_modal_data": {"image": Image.fromarray(_image())}}
         try:
-            llm.generate([{"prompt_token_ids": [1, 2, 3], "multi_modal_data": {"image": Image.new("RGB", (32, 32))}}],
-                         greedy)
-            result["image_error"] = None
+            result["image"] = list(llm.generate([request], greedy)[0].outputs[0].token_ids)
         except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
-            result["image_error"] = [type(e).__name__, str(e)]
+            result["image"] = [type(e).__name__, str(e)]
     outs = llm.generate([{"prompt_token_ids": p} for p in second], greedy)
     result["second"] = [list(o.outputs[0].token_ids) for o in outs]
     result["second_cached_tokens"] = [o.num_cached_tokens for o in outs]
@@ -89,7 +99,7 @@ def _engine_main(workdir: str) -> None:
         if tp > 1 and _cpu_bind(tp) is None:
             results[name] = {"skipped": f"needs {tp} CPU cores, have {len(os.sched_getaffinity(0))}"}
             continue
-        results[name] = _run_case(os.path.join(workdir, name), tp, check_image=spec.conditional)
+        results[name] = _run_case(os.path.join(workdir, name), tp, spec.conditional)
         with open(os.path.join(workdir, "results.json"), "w") as f:
             json.dump(results, f)
 
@@ -137,20 +147,23 @@ def test_greedy_tokens_equal_standalone(engine_run, case):
 
 
 @pytest.mark.slow
-def test_image_request_is_rejected_cleanly(engine_run):
-    _, results, _ = engine_run
-    err = results["moe-cg"]["image_error"]
-    assert err is not None, "an image request to the text-only host was accepted"
-    kind, message = err
-    assert kind == "ValueError" and "text-only" in message, err
-    assert results["moe-cg"]["second"], "the engine must keep serving after rejecting the image request"
+def test_images_answered_by_vision_checkpoints_refused_by_text_ones(engine_run):
+    workdir, results, _ = engine_run
+    from qwen35.standalone import Qwen35Standalone
+
+    model = Qwen35Standalone.from_pretrained(workdir / "moe-cg", max_seqs=1, max_len=512)
+    assert results["moe-cg"]["image"] == model.generate([IMAGE_PROMPT], NEW_TOKENS, images=[[_image()]])[0]
+    kind, message = results["dense"]["image"]
+    assert (kind, message) == ("ValueError", "Multi-modal processor not available for text-only models")
+    assert results["dense"]["second"], "the engine must keep serving after refusing the image request"
 
 
 @pytest.mark.slow
 def test_plugin_found_and_backends_logged(engine_run):
     _, _, log = engine_run
     assert "qwen35 backends on cpu" in log, "the host did not log the probe's report"
-    assert "skipped 22 vision / MTP tensors" in log  # the tiny tower's 21 and an MTP tensor: a text-only host
+    assert "qwen35: skipped 1 MTP tensors (mtp.*)" in log  # the vision host loads the tower and skips MTP only
+    assert "vision / MTP tensors" not in log, "no host here skips a tower"
 
 
 if __name__ == "__main__":
