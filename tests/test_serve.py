@@ -388,7 +388,7 @@ def _bad_cases() -> list[tuple[str, str, object, dict | None, int, str]]:
          400, "wizard"),
         ("invocations_image_part", "/invocations", chat_body(messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]), None, 400,
-         "text only"),
+         "the data is not an image, or its header is corrupt"),
         ("invocations_no_key", "/invocations", chat_body(), {"Authorization": ""}, 401, "API key"),
         ("generative_scoring_no_key", "/generative_scoring", {"query": "q", "items": ["a"], "label_token_ids": [1]},
          {"Authorization": ""}, 401, "API key"),
@@ -454,9 +454,10 @@ def _bad_cases() -> list[tuple[str, str, object, dict | None, int, str]]:
         ("image_part", "chat/completions", chat_body(messages=[{"role": "user", "content": [
             {"type": "text", "text": "what is this?"},
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]), None, 400,
-         "text only"),
+         r"messages\[0\]\.content\[1\]\.image_url\.url: the data is not an image"),
         ("audio_part", "chat/completions", chat_body(messages=[{"role": "user", "content": [
-            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]), None, 400, "text only"),
+            {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]), None, 400,
+         "takes text and images only"),
         ("thinking_bad_type", "chat/completions", chat_body(thinking={"type": "maybe"}), None, 400, "thinking"),
         ("thinking_conflict", "chat/completions", chat_body(enable_thinking=True, thinking={"type": "disabled"}),
          None, 400, "conflicting"),
