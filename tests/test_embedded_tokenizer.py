@@ -176,7 +176,7 @@ def test_checkpoint_is_cached_by_content(tmp_path):
     assert other_seed != first
     assert sorted(p.name for p in first.iterdir()) == [
         "chat_template.jinja", "config.json", "generation_config.json", "model.safetensors",
-        "tokenizer.json", "tokenizer_config.json",
+        "preprocessor_config.json", "tokenizer.json", "tokenizer_config.json",
     ]  # fmt: skip
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "staging directory left behind"
 

@@ -281,6 +281,39 @@ def test_image_only_architectures_are_qwen35s_vision_checkpoints():
     assert set(images.IMAGE_ONLY_ARCHITECTURES) == {a for a, (_, nested) in ARCHITECTURES.items() if nested}
 
 
+# -- the embedded checkpoint ---------------------------------------------------------------------
+
+
+def test_embedded_checkpoint_takes_images(tmp_path):
+    import transformers
+
+    from qwen35.image_processor import ImageProcessorConfig, num_image_tokens
+    from qwen35.standalone import Qwen35Standalone
+    from serve.embedded import checkpoint as ckpt
+
+    path = ckpt.ensure_checkpoint(cache_root=tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == [ckpt.DEFAULT_ARCHITECTURE] == [VL]
+    assert config["vision_config"]["out_hidden_size"] == config["text_config"]["hidden_size"]
+    tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    ids = {key: tokenizer.convert_tokens_to_ids(token) for key, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}  # fmt: skip
+    assert {key: config[key] for key in ids} == ids
+    messages = [{"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image"},
+                                             {"type": "text", "text": "and"}, {"type": "image_url"}]}]  # fmt: skip
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, enable_thinking=False)
+    placeholder = "<|vision_start|><|image_pad|><|vision_end|>"
+    assert f"<|im_start|>user\nLook:{placeholder}and{placeholder}<|im_end|>\n" in text
+    cfg = ImageProcessorConfig.from_dir(path)
+    assert (cfg.min_pixels, cfg.max_pixels) == (ckpt.EMBEDDED_MIN_PIXELS, ckpt.EMBEDDED_MAX_PIXELS)
+    assert num_image_tokens(10, 10, cfg) == 4 and num_image_tokens(3000, 3000, cfg) == 64  # 4 to 64 tokens
+    model = Qwen35Standalone.from_pretrained(path, max_seqs=2, max_len=256)
+    prompt = tokenizer(text).input_ids
+    out = model.generate([prompt, prompt], 4, images=[[photo(64, 64), photo(90, 60)], [photo(64, 64, 1)] * 2])
+    assert all(len(o) == 4 for o in out)
+
+
 # -- the real server -----------------------------------------------------------------------------
 
 LIMIT = 2
