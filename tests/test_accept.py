@@ -32,6 +32,7 @@ ALLOWED_SKIPS = {
     "response_format_string_bounds": "cut by max_tokens",
     "stop_multiple": "the greedy reply offers fewer than two",
     "tool_strict_schema": "cut by max_tokens",
+    "image_tokens_by_size": "the model takes no images",  # the baseline is a text model
 }
 FIELD = re.compile(r"^[A-Za-z_$][\w.\[\]$-]*: ")
 
@@ -93,6 +94,29 @@ def test_select_checks_filters():
 )
 def test_json_prefix_state(text, state):
     assert json_prefix_state(text) == state
+
+
+def test_image_checks_build_real_images_and_validate_their_settings():
+    import io
+
+    from PIL import Image
+
+    from serve.accept import checks_images
+
+    assert [c.name for c in select_checks("image_")] == [
+        "image_accepted", "image_tokens_by_size", "image_corrupt", "image_not_an_image", "image_unsupported_format",
+        "image_too_many", "image_oversized", "image_http_url"]  # fmt: skip
+    picture = Image.open(io.BytesIO(checks_images.png(40, 30, seed=2)))
+    picture.load()
+    assert picture.format == "PNG" and picture.size == (40, 30) and picture.mode == "RGB"
+    bomb = Image.open(io.BytesIO(checks_images.png(9000, 9000, rows=1)))  # header only: nothing decoded
+    assert bomb.size == (9000, 9000), "the header promises 81 M pixels"
+    whole = checks_images.png(96, 96)
+    with pytest.raises(OSError, match="truncated"):
+        Image.open(io.BytesIO(whole[: len(whole) // 2])).load()  # what image_corrupt sends
+    for bad in ({"vision": "maybe"}, {"max_images": -1}):
+        with pytest.raises(ValueError, match="expected"):
+            run_suite("http://127.0.0.1:9/v1", **bad)
 
 
 def test_schema_errors_name_the_path():

@@ -15,8 +15,8 @@ except the baseline:
 - `Qwen3_5ForConditionalGeneration` (the default, what `qwen35-serve` serves with no model given):
   the decoder plus a one-block vision tower whose merger maps into the decoder's width, its image
   token ids the embedded tokenizer's `<|image_pad|>`, `<|vision_start|>` and `<|vision_end|>`, and
-  a `preprocessor_config.json` that resizes every image to between 64 x 64 and 256 x 256 pixels
-  (4 to 64 image tokens), so images cost little on a CPU;
+  a `preprocessor_config.json` that resizes images to between 64 x 64 and 256 x 256 pixels (4 to
+  64 image tokens; up to 113 for an extreme aspect ratio), so images cost little on a CPU;
 - `Qwen3_5ForCausalLM`: the same decoder, text only;
 - `Qwen3ForCausalLM` (built into vLLM; a baseline for testing vLLM without our plugin).
 
