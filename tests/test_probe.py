@@ -429,3 +429,22 @@ def test_selftest_ignores_the_callers_default_device(op):
     with torch.device("meta"):
         err = selftest.check(op, candidate, torch.device("cpu"), torch.float32)
     assert err <= 1e-6, f"{op}: rel err {err:.3e} under a meta default device"
+
+
+@pytest.mark.parametrize("op", backends.OPS)
+def test_selftest_ignores_the_callers_default_dtype(op):
+    """vLLM builds the model, and so runs the probe, with the model's dtype (bf16) as torch's default: a case's
+    dtype-less draws must not follow it (the rotary angles came out bf16 and qk_norm_rope's input check rejected
+    them, which sent the op to the reference). The candidate is the façade op, input checks included; the caller's
+    default dtype is restored afterwards."""
+    from qwen35 import selftest
+
+    facade = getattr(ops, op)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        err = selftest.check(op, facade, torch.device("cpu"), torch.float32)
+        assert torch.get_default_dtype() == torch.bfloat16
+    finally:
+        torch.set_default_dtype(saved)
+    assert err <= selftest.tolerance(op, torch.float32), f"{op}: rel err {err:.3e} under a bf16 default dtype"
