@@ -7,6 +7,8 @@
   ``is_current_stream_capturing``), generation still runs, where a lazy choice would raise.
 - On an accelerator (device facts of an H200 whose Triton cannot run, so every op falls to the reference) the
   host logs one ERROR naming the ops and the reasons; with ``QWEN35_REQUIRE_ACCELERATED=1`` it refuses to start.
+- Inside a real vLLM engine (CPU build, bf16), forced Triton backends pass their self-tests in vLLM's model
+  construction context (its default device, the model dtype as torch's default) and serve.
 """
 
 from __future__ import annotations
@@ -123,3 +125,40 @@ def test_standalone_host_on_an_accelerator_refuses_the_reference_when_required(f
     errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1 and "qwen35 (standalone host)" in errors[0], errors
     assert len(m.generate(PROMPTS[:1], 2)[0]) == 2  # it still serves, loudly
+
+
+@pytest.mark.slow
+def test_vllm_engine_self_tests_triton_in_its_model_context_and_serves_with_it(tmp_path):
+    """vLLM builds the model (and so runs the probe) under its own default device and the model's dtype as torch's
+    default: a real ``vllm serve`` of the CPU build, bf16, with Triton forced (in its interpreter) for every op whose
+    kernels the interpreter computes in bf16 (its bf16 ``tl.dot`` is off, so the GDN prefill and the MoE stay on the
+    reference): every forced self-test passes there (a forced backend that fails raises and the server does not
+    start), the log's table names Triton, and the server answers."""
+    pytest.importorskip("vllm")
+    import math
+    import time
+
+    from tuning import vllm_serving as vs
+    from tuning.vllm_ckpt import write_checkpoint
+
+    width = {"vocab_size": 4096, "hidden_size": 256, "num_attention_heads": 4, "linear_num_key_heads": 4,
+             "linear_num_value_heads": 8, "num_experts": 8, "moe_intermediate_size": 64,
+             "shared_expert_intermediate_size": 64}
+    ckpt = write_checkpoint(tmp_path / "ckpt", layers=2, device="cpu", overrides=width)
+    args = ["--dtype", "bfloat16", "--max-model-len", "512", "--max-num-batched-tokens", "64", "--max-num-seqs", "4",
+            "--enforce-eager", "--gpu-memory-utilization", "0.3", "--language-model-only"]
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "TRITON_INTERPRET": "1", "QWEN35_BACKEND": "triton",
+           "QWEN35_BACKEND_GDN_CHUNK_PREFILL": "reference", "QWEN35_BACKEND_MOE_BLOCK": "reference"}
+    server = vs.start_server("ours_triton", "ours", str(ckpt), args, tmp_path / "logs", env_extra=env)
+    try:
+        failed = vs.wait_ready([server], deadline=time.perf_counter() + 600, raise_on_failure=False)
+        assert not failed, vs.diagnosis([server])
+        tables = vs.backend_table(server.log_path.read_text())
+        chosen = {op: r["backend"] for op, r in tables["cpu"].items()}
+        for op in ("rms_norm_zero_centered", "causal_conv1d_update", "gdn_recurrent_step", "rms_norm_gated",
+                   "qk_norm_rope", "sigmoid_gate_mul"):
+            assert chosen[op] == "triton", chosen
+        out = vs.greedy(server, [[5, 17, 300, 41, 9]], 4)[0]
+        assert len(out["tokens"]) == 4 and all(math.isfinite(v) for t in out["top"] for v in t.values())
+    finally:
+        server.stop()
