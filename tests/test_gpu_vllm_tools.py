@@ -192,6 +192,7 @@ def test_every_server_gets_nvlink_multicast_off_and_the_accelerated_requirement(
         env = vs.engine_env(engine)
         assert env["NCCL_NVLS_ENABLE"] == "0" and env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] == "1"
         assert env["NVSHMEM_DISABLE_NVLS"] == "1" and env["QWEN35_REQUIRE_ACCELERATED"] == "1"
+        assert env["VLLM_ALLREDUCE_USE_SYMM_MEM"] == "0"
 
 
 def test_scaling_and_bf16_budget_rows(tmp_path, monkeypatch):
@@ -298,3 +299,18 @@ def test_checkpoints_of_dense_and_moe_shapes_match_hf_fp32_in_our_model(tmp_path
     torch.testing.assert_close(ours, ref, atol=2e-5, rtol=0)
     with pytest.raises(ValueError, match="shape='70b'; accepted: 27b, 35b-a3b, 122b-a10b, 397b-a17b"):
         shape_fields("70b")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--skip", "agree,warmup"], "--skip ['warmup']: accepted agree, longctx, throughput, eager, hf"),
+    (["--tp", "0"], "--tp 0: accepted 1.."),
+    (["--shape", "70b"], "argument --shape: invalid choice: '70b'"),
+    (["--overrides", "{not json"], "argument --overrides: invalid loads value"),
+])
+def test_comparison_rejects_bad_arguments_naming_them(tmp_path, capsys, argv, message):
+    from tuning import gpu_vllm
+
+    with pytest.raises(SystemExit) as e:
+        gpu_vllm.main(["--out", str(tmp_path), *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err

@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", default="none", choices=sorted(COMPILE),
                     help="compilation arguments of both engines (default none: no torch.compile, full decode graphs)")
     ap.add_argument("--kv-gib", type=float, default=KV_GIB, help="KV cache per GPU and server (default %(default)s)")
+    ap.add_argument("--gpu-util", type=float, default=GPU_UTIL, help="vLLM's --gpu-memory-utilization: the share of "
+                    "a GPU each server may hold, weights + KV + graphs (default %(default)s: two servers share one)")
     ap.add_argument("--quick", action="store_true", help="smaller request sets")
     ap.add_argument("--profile", action="store_true", help="torch-profiler windows (decode, prefill) per engine")
     ap.add_argument("--skip", default="", help=f"comma-separated phases to leave out: {','.join(PHASES)} (skipping "
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     run = Run(args.out, args.budget, device, args.tp)
     server_args = [*SERVER_ARGS, *COMPILE[args.compile], "--tensor-parallel-size", str(args.tp),
                    "--kv-cache-memory-bytes", str(int(args.kv_gib * (1 << 30))), "--gpu-memory-utilization",
-                   str(GPU_UTIL)]
+                   str(args.gpu_util)]
     run.meta.update(vllm=vllm.__version__, torch=torch.__version__, shape=args.shape, layers=args.layers, tp=args.tp,
                     overrides=args.overrides, long_len=args.long_len, compile=args.compile, quick=args.quick,
                     server_args=server_args, server_env=vs.SERVER_ENV, argv=sys.argv[1:] if argv is None else argv)

@@ -10,8 +10,9 @@ Environment both engines need on the GPU machine: ``VLLM_USE_FLASHINFER_SAMPLER=
 vLLM 0.26 imports it for its top-k/top-p sampler on CUDA otherwise) and, on the command line,
 ``--gdn-prefill-backend triton`` (vLLM's GDN prefill picks FlashInfer's JIT kernel on sm90 by default; our plugin
 does not use vLLM's GDN kernels, so the flag changes only the native engine). Every server also gets NVLink
-multicast off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``: the lent
-multi-GPU machines do not support it) and ``QWEN35_REQUIRE_ACCELERATED=1`` (our plugin refuses to start when an op
+multicast off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``, and
+``VLLM_ALLREDUCE_USE_SYMM_MEM=0``: on the lent multi-GPU machines a program using multicast can take the host's
+shared GPUs out of service) and ``QWEN35_REQUIRE_ACCELERATED=1`` (our plugin refuses to start when an op
 would run on the reference backend, instead of serving slowly and failing later in graph capture).
 
 Reading a server's log (:func:`backend_table`, :func:`first_traceback`, :func:`diagnosis`): the probe's per-op
@@ -41,10 +42,11 @@ from pathlib import Path
 ENGINES = ("ours", "native")
 SERVED = "m"
 TOP_K = 5  # log-probs per greedy step: a bf16 tie of three or four tokens still shows both engines' picks
-# every server's environment on the GPU machines: NVLink multicast off (NCCL, torch symmetric memory, NVSHMEM), and
-# our plugin refusing to serve on the reference backend
+# every server's environment on the GPU machines: NVLink multicast off (NCCL, torch symmetric memory, NVSHMEM; and
+# vLLM's symmetric-memory all-reduce, whose multimem path needs it, not tried at all), and our plugin refusing to
+# serve on the reference backend
 SERVER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
-              "QWEN35_REQUIRE_ACCELERATED": "1"}
+              "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "QWEN35_REQUIRE_ACCELERATED": "1"}
 _REPO = Path(__file__).resolve().parent.parent
 
 
