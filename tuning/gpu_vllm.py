@@ -355,8 +355,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def graphs() -> None:
         ours = ready([launch("ours", "graphs", [])], "graphs", 360)
-        if "ours" not in ours:
-            raise RuntimeError("ours did not start; native's start is skipped (server_logs.txt has the diagnosis)")
+        if "ours" not in ours:  # native's start is skipped; one eager start says whether capture is what failed
+            tried = run.left() > 300
+            eager = ready([launch("ours", "eager", ["--enforce-eager"])], "eager", 240) if tried else {}
+            for server in eager.values():  # a server that failed was stopped by wait_ready
+                server.stop()
+            run.meta["ours_eager_after_graphs_failed"] = ("started: capture is what failed" if eager else
+                                                          "failed too" if tried else "not tried (no time left)")
+            raise RuntimeError(f"ours did not start with CUDA graphs (eager: "
+                               f"{run.meta['ours_eager_after_graphs_failed']}); native's start is skipped; "
+                               f"server_logs.txt has the diagnosis")
         native = launch("native", "graphs", [])
         answers(ours["ours"])
         state["graphs"] = {**ours, **ready([native], "graphs", 420)}
