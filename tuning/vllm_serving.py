@@ -257,7 +257,7 @@ def first_traceback(text: str, max_lines: int = 80) -> str | None:
     return "\n".join(out)
 
 
-QWEN35_NOTES = re.compile(r"qwen35.*(rejected|would run on the reference|could not be built|refuses)|qwen35: ")
+PLUGIN_NOTES = re.compile(r"qwen35.*(rejected|would run on the reference|could not be built|refuses)|qwen35: ")
 
 
 def diagnosis(servers: list[Server], tail: int = 60) -> str:
@@ -275,7 +275,7 @@ def diagnosis(servers: list[Server], tail: int = 60) -> str:
         slow = {dev: ops for dev, ops in reference_ops(tables).items() if not dev.startswith("cpu")}
         if slow:
             parts.append(f"REFERENCE BACKEND on an accelerator: {slow}")
-        notes = [log_payload(ln)[2] for ln in text.splitlines() if QWEN35_NOTES.search(ln)]
+        notes = [log_payload(ln)[2] for ln in text.splitlines() if PLUGIN_NOTES.search(ln)]
         if notes:
             parts.append("qwen35 notes:\n  " + "\n  ".join(notes[:40]))
         tb = first_traceback(text)
