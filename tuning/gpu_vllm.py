@@ -339,8 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         if failed:
             mirror.write()
             run.write()
-            run.log("start failed: " + "; ".join(f"{n}: {s.failed}" for n, s in
-                                                  ((s.name, s) for s in servers if s.failed)))
+            run.log("start failed: " + "; ".join(s.failed for s in servers if s.failed))
         up = {s.engine: s for s in servers if s.ready_s is not None}
         for s in up.values():  # warm-up: kernels for the first real shapes, not timed
             vs.replay(s, state["sets"]["decode_c1"][0], 1, WORK / f"warm_{s.name}.json")
