@@ -40,6 +40,9 @@ KNOBS: tuple[Knob, ...] = (
          "ixformer, ...); a forced backend that cannot run or fails its self-test raises"),
     Knob("QWEN35_BACKEND_", None, "QWEN35_BACKEND_<OP>=<backend>: force the backend of one op "
          "(e.g. QWEN35_BACKEND_MOE_BLOCK=reference); wins over QWEN35_BACKEND", family=True),
+    Knob("QWEN35_REQUIRE_ACCELERATED", "0", "1: a model host on an accelerator (GPU) refuses to start "
+         "(RuntimeError) when an op the model calls would run on the reference backend; 0 logs one ERROR naming "
+         "those ops and why instead", BOOL),
     # -- façade checks (qwen35._checks)
     Knob("QWEN35_CHECK_VALUES", "1", "read tensor values in the façade's input checks (slots, offsets, expert "
          "ids); 0 skips them (each is a device synchronisation on a GPU)", BOOL),

@@ -95,6 +95,16 @@ class Host(Protocol):
                   conv_dtype: torch.dtype) -> GDNState: ...
 
 
+def facade_ops(cfg: Qwen35Config) -> tuple[str, ...]:
+    """The façade ops a forward of :class:`Qwen35Model` calls for ``cfg`` (each with a first tensor in the model's
+    dtype): hosts choose their backends at load (:func:`qwen35.probe.choose_at_load`), before any graph capture."""
+    kinds = set(cfg.layer_types)
+    gdn = ("causal_conv1d_prefill", "causal_conv1d_update", "gdn_chunk_prefill", "gdn_recurrent_step",
+           "rms_norm_gated") if "linear_attention" in kinds else ()
+    attention = ("qk_norm_rope", "sigmoid_gate_mul") if "full_attention" in kinds else ()
+    return ("rms_norm_zero_centered", *gdn, *attention, *(("moe_block",) if cfg.is_moe else ()))
+
+
 _REPORTED: set[str] = set()
 
 

@@ -31,6 +31,12 @@ Overrides (read at selection time; :func:`reset` forgets earlier choices):
 A forced backend that cannot import, cannot run here, does not compute the call's dtype, fails its build or
 fails its self-test raises ``RuntimeError``: an explicit request is never silently replaced.
 
+Capture. A choice runs self-tests (kernel launches, host reads), which a CUDA graph being captured cannot hold:
+:func:`choose` raises ``RuntimeError`` instead of choosing while the current stream captures. Hosts choose at load
+(:func:`choose_at_load`) for every op their model calls, in every dtype it calls them with, so that a capture only
+ever finds cached choices; the same call logs one ERROR, or raises under ``QWEN35_REQUIRE_ACCELERATED=1``, when an
+op of the model would run on the reference on an accelerator (slow, and its host reads break capture).
+
 Switches are read through :mod:`qwen35.knobs`. The first choice a process makes logs one WARNING for any
 ``QWEN35_*`` variable that no knob declares (a misspelt switch would otherwise do nothing), and the report
 (``qwen35-probe``, text or ``--json``) lists the switches that are set.
@@ -365,6 +371,22 @@ def _try(name: str, op: str, caps: DeviceCaps, dtype: torch.dtype, fallback: boo
     return fn, f"self-test rel err {err:.2g} <= {tol:g} ({dt})", err, test_dtype
 
 
+def is_current_stream_capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (False where torch has no CUDA)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _refuse_in_capture(op: str, dev: str, dtype: torch.dtype | None) -> None:
+    """Raise when a choice (self-tests: launches and host reads) would run inside a CUDA-graph capture."""
+    if is_current_stream_capturing():
+        what = _dname(dtype) if dtype is not None else "the device's default dtype"
+        raise RuntimeError(
+            f"qwen35: no backend chosen yet for {op} on {dev} ({what}) while a CUDA graph is being captured; the "
+            f"probe's self-tests cannot run inside a capture. Backends are chosen at load, before capture: call "
+            f"qwen35.probe.choose_at_load(device, dtype, ops) for the ops and dtypes the model calls (the model "
+            f"hosts do), or run one eager step before capturing")
+
+
 def choose(op: str, device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> Choice:
     """The backend ``op`` uses on ``device`` for activations of ``dtype``, chosen once and cached (see the module
     docstring).
@@ -378,14 +400,18 @@ def choose(op: str, device: torch.device | str | None = None, dtype: torch.dtype
     if key in _CHOICES:
         return _CHOICES[key]
     _check_switches_once()
+    if dev not in _CAPS:
+        _refuse_in_capture(op, dev, dtype)  # probing the device launches a kernel
     caps = device_caps(dev)
     if dtype is not None:
+        _refuse_in_capture(op, dev, dtype)
         choice, fn = _select(op, caps, dtype, fallback=False)
         return _remember(key, choice, fn)
     default = caps.compute_dtype
     same = (op, dev, default)
     if same in _CHOICES:
         return _remember(key, _CHOICES[same], _IMPLS[same], quiet=True)
+    _refuse_in_capture(op, dev, None)
     choice, fn = _select(op, caps, default, fallback=True)
     if choice.dtype == _dname(default):  # also the choice for calls in that dtype
         _remember(same, choice, fn, quiet=True)
@@ -462,6 +488,44 @@ def implementation(op: str, device: torch.device, dtype: torch.dtype | None = No
     if isinstance(device, torch.device) and (device.type != "cuda" or device.index is not None):
         _BY_DEVICE[(op, device, dtype)] = fn
     return fn
+
+
+def choose_at_load(device: torch.device | str | None, dtypes: torch.dtype | None | tuple[torch.dtype | None, ...],
+                   ops: tuple[str, ...] | list[str], log: logging.Logger, who: str = "qwen35") -> list[Choice]:
+    """Choose now, before any CUDA-graph capture, the backend of each of ``ops`` (the ones the host's model calls)
+    for each of ``dtypes`` (the dtypes of the calls' first tensors; None: the device's default, which the GDN
+    metadata helpers ask for) and return the choices.
+
+    On an accelerator, an op left on the reference (every faster backend rejected, or the reference forced) is
+    slow, and its host reads break CUDA-graph capture: one ERROR names those ops and the reasons, or, with
+    ``QWEN35_REQUIRE_ACCELERATED=1``, a ``RuntimeError`` with the same text stops the host from starting. ``who``
+    names the host in that message.
+    """
+    # fp64 calls always take the reference (the façade's ground truth) and never ask the probe
+    dtypes = tuple(d for d in (dtypes if isinstance(dtypes, tuple) else (dtypes,)) if d != torch.float64)
+    for op in ops:
+        optable.get(op)  # ValueError for unknown ops, listing the table's
+    choices = [choose(op, device, dt) for dt in dict.fromkeys((*dtypes, None)) for op in ops]
+    caps = device_caps(device)
+    if caps.vendor == "cpu":
+        return choices
+    slow = {}
+    for c in choices:
+        if c.backend == "reference":
+            slow.setdefault(c.op, c)
+    if slow:
+        names = ", ".join(dtype_name(d) if d is not None else "default" for d in dict.fromkeys(dtypes))
+        msg = (f"{who}: {len(slow)} op(s) the model calls would run on the reference backend on {caps.device} "
+               f"({caps.name}, {names}): "
+               + "; ".join(f"{op}: {c.reason}" for op, c in slow.items())
+               + ". The reference is a slow fallback whose host reads break CUDA-graph capture; "
+               + ("QWEN35_REQUIRE_ACCELERATED=1 refuses to serve this way."
+                  if knobs.on("QWEN35_REQUIRE_ACCELERATED") else
+                  "set QWEN35_REQUIRE_ACCELERATED=1 to refuse to start instead."))
+        if knobs.on("QWEN35_REQUIRE_ACCELERATED"):
+            raise RuntimeError(msg)
+        log.error(msg)
+    return choices
 
 
 # ----------------------------------------------------------------------------- the report

@@ -7,6 +7,7 @@ holds the tolerance per compute dtype.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
@@ -57,6 +58,24 @@ def relative_error(outs: list[torch.Tensor], refs: list[torch.Tensor]) -> float:
 
 def check(op: str, fn: Callable, device: torch.device, dtype: torch.dtype, seed: int = 0) -> float:
     """Run ``fn`` (a backend's ``op``) on the op's tiny case; return its rel err vs fp64 reference."""
+    with _fp32_default():
+        return _check(op, fn, device, dtype, seed)
+
+
+@contextlib.contextmanager
+def _fp32_default():
+    """fp32 as torch's default dtype for the duration (the default a model's forward runs under): vLLM builds the
+    model, and so runs the probe, under the model's dtype as the default, where a case's dtype-less draws (rotary
+    angles) would be bf16 and fail the op's input checks, and a backend's dtype-less scratch would be bf16 too."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def _check(op: str, fn: Callable, device: torch.device, dtype: torch.dtype, seed: int) -> float:
     row = optable.get(op)
     # The case's random draws (a CPU generator) and the fp64 reference run on the CPU whatever default device the
     # caller has set: vLLM's engine builds the model (and so runs the probe) under a CUDA default device.

@@ -42,10 +42,10 @@ from typing import TYPE_CHECKING, Union
 import numpy as np
 import torch
 
-from qwen35 import ops
+from qwen35 import ops, probe
 from qwen35.checkpoint import load_checkpoint, load_weights
 from qwen35.config import Qwen35Config
-from qwen35.model import Qwen35Model, report_backends_once
+from qwen35.model import Qwen35Model, facade_ops, report_backends_once
 from qwen35.mrope import expand_image_placeholders, mrope_positions
 from qwen35.slots import Batch, StandaloneHost, StepBuffer, token_row
 from qwen35.vision import VisionTower, split_by_image
@@ -81,8 +81,6 @@ def resolve_dtype(dtype: torch.dtype | str, device: torch.device | str) -> torch
     (the device's default compute dtype: bf16 where the GPU computes it, else fp16; fp32 on the CPU)."""
     if isinstance(dtype, str):
         if dtype == "auto":
-            from qwen35 import probe
-
             return probe.device_caps(device).compute_dtype
         if dtype not in DTYPES:
             raise ValueError(f"dtype={dtype!r}; accepted: {', '.join(DTYPES)}, auto (or a torch dtype of those)")
@@ -105,6 +103,9 @@ class Qwen35Standalone:
         dtype = resolve_dtype(dtype, self.device)
         self.cfg, self.dtype = cfg, dtype
         report_backends_once(self.device, log)
+        # chosen now, before any decode graph is captured (its host's decode attention included)
+        probe.choose_at_load(self.device, dtype, (*facade_ops(cfg), "attention_decode"), log,
+                             who="qwen35 (standalone host)")
         self.host = StandaloneHost(device=self.device, dtype=dtype, max_seqs=max_seqs, max_len=max_len)
         with torch.device(self.device):
             self.model = Qwen35Model(cfg, self.host, dtype=dtype, device=self.device)

@@ -46,7 +46,10 @@ host-to-device copies (the rotary table is cached per device on the first eager 
 inputs read from vLLM's persistent buffers: in full-graph mode the GDN builder copies each step's decode
 slots into ``non_spec_state_indices_tensor``'s persistent buffer (padding rows point at the null block)
 and attention's block tables live in the backend's own buffers, so the captured kernels read every
-replay's slots. Scratch that ops keep between eager calls is never kept during a capture
+replay's slots. Every op's backend is chosen at load (:func:`qwen35.probe.choose_at_load`): the probe's
+self-tests never run inside a capture, and an op left on the reference on a GPU (whose host reads a capture
+cannot hold) is one ERROR at start-up, or a refusal to start under ``QWEN35_REQUIRE_ACCELERATED=1``. Scratch
+that ops keep between eager calls is never kept during a capture
 (``kernels_triton._kept``): a graph owns its memory. ``-cc.mode=none -cc.cudagraph_mode=FULL_DECODE_ONLY``
 asks for exactly this (and skips capturing the eager piecewise sizes); ``--enforce-eager`` turns graphs off.
 """
@@ -59,10 +62,10 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from qwen35 import ops, vllm_adapter
+from qwen35 import ops, probe, vllm_adapter
 from qwen35.checkpoint import load_weights
 from qwen35.config import Qwen35Config
-from qwen35.model import GDNStep, Parallel, Qwen35Model, Shards, report_backends_once
+from qwen35.model import GDNStep, Parallel, Qwen35Model, Shards, facade_ops, report_backends_once
 
 # under "vllm." so that vLLM's logging configuration prints it in every vLLM process
 log = logging.getLogger("vllm.qwen35")
@@ -190,6 +193,9 @@ class Qwen35ForVllm(nn.Module, api.HasInnerState, api.IsHybrid, api.SupportsMRoP
         super().__init__()
         self.cfg = Qwen35Config.from_hf(vllm_config.model_config.hf_config)
         report_backends_once(vllm_config.device_config.device, log)
+        # every op the model calls, chosen now: never inside a graph capture; loud (or fatal) on the reference
+        probe.choose_at_load(vllm_config.device_config.device, vllm_config.model_config.dtype, facade_ops(self.cfg),
+                             log, who="qwen35 (vLLM host)")
         host = VllmHost(vllm_config, prefix=f"{prefix}.model" if prefix else "model")
         self.model = Qwen35Model(self.cfg, host, dtype=vllm_config.model_config.dtype)
 

@@ -429,3 +429,58 @@ def test_selftest_ignores_the_callers_default_device(op):
     with torch.device("meta"):
         err = selftest.check(op, candidate, torch.device("cpu"), torch.float32)
     assert err <= 1e-6, f"{op}: rel err {err:.3e} under a meta default device"
+
+
+@pytest.mark.parametrize("op", backends.OPS)
+def test_selftest_ignores_the_callers_default_dtype(op):
+    """vLLM builds the model, and so runs the probe, with the model's dtype (bf16) as torch's default: a case's
+    dtype-less draws must not follow it (the rotary angles came out bf16 and qk_norm_rope's input check rejected
+    them, which sent the op to the reference). The candidate is the façade op, input checks included; the caller's
+    default dtype is restored afterwards."""
+    from qwen35 import selftest
+
+    facade = getattr(ops, op)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        err = selftest.check(op, facade, torch.device("cpu"), torch.float32)
+        assert torch.get_default_dtype() == torch.bfloat16
+    finally:
+        torch.set_default_dtype(saved)
+    assert err <= selftest.tolerance(op, torch.float32), f"{op}: rel err {err:.3e} under a bf16 default dtype"
+
+
+# ----------------------------------------------------------------------------- no choice inside a graph capture
+
+
+def test_no_choice_is_made_inside_a_capture(fresh_probe, monkeypatch):
+    """A choice runs self-tests (launches, host reads) that a CUDA-graph capture cannot hold: while the stream
+    captures (emulated here), an op whose backend is not chosen yet raises naming the op, device and dtype and the
+    call that chooses at load; nothing is cached, and once chosen outside the capture the same call goes through."""
+    x = torch.randn(3, 2, 8)
+    z = torch.randn(3, 2, 8)
+    w = torch.randn(8)
+    monkeypatch.setattr(fresh_probe, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"no backend chosen yet for rms_norm_gated on cpu \(float32\) while a "
+                                           r"CUDA graph is being captured.*chosen at load, before capture: call "
+                                           r"qwen35\.probe\.choose_at_load"):
+        ops.rms_norm_gated(x, z, w)
+    with pytest.raises(RuntimeError, match=r"gdn_chunk_prefill on cpu \(the device's default dtype\)"):
+        fresh_probe.choose("gdn_chunk_prefill", "cpu")
+    assert not fresh_probe._CHOICES and not fresh_probe._CAPS
+    monkeypatch.setattr(fresh_probe, "is_current_stream_capturing", lambda: False)
+    fresh_probe.choose_at_load("cpu", torch.float32, ["rms_norm_gated"], logging.getLogger("t"))
+    monkeypatch.setattr(fresh_probe, "is_current_stream_capturing", lambda: True)
+    torch.testing.assert_close(ops.rms_norm_gated(x, z, w), reference.rms_norm_gated(x, z, w))
+    assert fresh_probe.choose("rms_norm_gated", "cpu").backend == "reference"  # the default dtype: chosen at load too
+
+
+def test_choose_at_load_covers_every_dtype_asked_and_the_default(fresh_probe):
+    ops_ = ["rms_norm_zero_centered", "moe_block"]
+    choices = fresh_probe.choose_at_load("cpu", (torch.bfloat16, torch.float32, torch.float64), ops_,
+                                         logging.getLogger("t"))
+    assert {(c.op, c.dtype) for c in choices} == {(op, dt) for op in ops_ for dt in ("bfloat16", "float32")}
+    assert {k for k in fresh_probe._CHOICES} == {(op, "cpu", dt) for op in ops_
+                                                 for dt in (torch.bfloat16, torch.float32, None)}
+    with pytest.raises(ValueError, match="unknown op 'moe_blok'"):
+        fresh_probe.choose_at_load("cpu", torch.float32, ["moe_blok"], logging.getLogger("t"))

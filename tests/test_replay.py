@@ -272,4 +272,5 @@ def test_generated_sets_fit_the_servers_context_and_replay_without_refusals(serv
     records, wall = replay([{**b, "max_tokens": min(b["max_tokens"], 8)} for b in bodies], config)
     summary = summarize(records, wall)
     assert summary["refused"] == 0 and summary["failed"] == 0, summary["first_refusals"] + summary["first_errors"]
-    assert all(r.output_chunks == r.completion_tokens for r in records), "--token-ids: one chunk per token"
+    assert all(r.streamed_tokens == r.completion_tokens for r in records), "--token-ids: every token counted"
+    assert all(len(r.itl) == r.completion_tokens - 1 for r in records if r.completion_tokens), "a gap per token"

@@ -1,23 +1,23 @@
-"""Random-weight Qwen3.5-MoE checkpoints for serving comparisons, made on the device, and an HF fp32 reference.
+"""Random-weight Qwen3.5 checkpoints for serving comparisons, made on the device, and an HF fp32 reference.
 
-:func:`write_checkpoint` writes a complete ``Qwen3_5MoeForConditionalGeneration`` checkpoint that both vLLM's
-native Qwen3.5 class and our plugin serve: ``config.json`` from transformers' own ``Qwen3_5MoeConfig`` (text
-fields from :data:`tuning.bench_model.WIDTH`, i.e. Qwen3.5-35B-A3B width, with ``layers`` decoder layers; the
-default vision config projecting to that width, whose tower is never built: serve with ``--language-model-only``
-— the checkpoint holds no tower weights), the hub's on-disk
-layout (``model.language_model.*``, MoE experts stored one tensor per expert), random bf16 weights drawn on the
-GPU from a fixed seed, and a tokenizer: the embedded model's byte-level BPE and chat template
-(:mod:`serve.embedded`) with its vocabulary filled up to the model's ``vocab_size`` by unreachable filler tokens,
-so every id the model can sample decodes.
+:func:`write_checkpoint` writes a complete ``Qwen3_5MoeForConditionalGeneration`` checkpoint (for the dense 27B
+shape ``Qwen3_5ForConditionalGeneration``) that both vLLM's native Qwen3.5 classes and our plugin serve:
+``config.json`` from transformers' own ``Qwen3_5MoeConfig`` / ``Qwen3_5Config`` (the text fields of a published
+size, :data:`SHAPES`, Qwen3.5-35B-A3B width by default, with ``layers`` decoder layers; the default vision config
+projecting to that width, whose tower is never built: serve with ``--language-model-only`` — the checkpoint holds
+no tower weights), the hub's on-disk layout (``model.language_model.*``, MoE experts stored one tensor per
+expert), random bf16 weights drawn on the GPU from a fixed seed, and a tokenizer: the embedded model's byte-level
+BPE and chat template (:mod:`serve.embedded`) with its vocabulary filled up to the model's ``vocab_size`` by
+unreachable filler tokens, so every id the model can sample decodes.
 
 Weights are drawn so that the numbers behave like a trained model's where it matters for comparing engines:
 matrices N(0, 0.02), zero-centred norm weights near 0, the GDN output norm near 1, decay parameters in their
 usual ranges, and a router and LM head at N(0, 0.1): peaked routing and next-token distributions (logit standard
 deviation ~4.5), so that bf16 rounding flips few top-k choices and few greedy tokens.
 
-:func:`hf_logprobs` gives the fp32 reference: transformers' ``Qwen3_5MoeForCausalLM`` built from the same
-config in fp32 on the GPU, the checkpoint's tensors loaded into it, and the teacher-forced log-probability of
-every prompt token after the first.
+:func:`hf_logprobs` gives the fp32 reference: transformers' ``Qwen3_5MoeForCausalLM`` (``Qwen3_5ForCausalLM``)
+built from the same config in fp32 on the GPU, the checkpoint's tensors loaded into it, and the teacher-forced
+log-probability of every prompt token after the first.
 """
 
 from __future__ import annotations
@@ -31,8 +31,15 @@ from pathlib import Path
 import torch
 
 from tuning.bench_model import WIDTH
+from tuning.tune_model import PRESETS
 
 ARCHITECTURE = "Qwen3_5MoeForConditionalGeneration"
+DENSE_ARCHITECTURE = "Qwen3_5ForConditionalGeneration"
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                "linear_conv_kernel_dim")
+SHAPES = tuple(PRESETS)  # 27b (dense), 35b-a3b, 122b-a10b, 397b-a17b: the published sizes qwen35-tune knows
 ROPE = {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
         "mrope_interleaved": True}
 MAX_POSITION = 32768
@@ -40,15 +47,36 @@ MAX_POSITION = 32768
 REDUCED = dict(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=256, linear_num_key_heads=8,
                linear_num_value_heads=16, num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256,
                shared_expert_intermediate_size=256, vocab_size=32768)
+REDUCED_DENSE = {**{k: v for k, v in REDUCED.items() if k not in MOE_FIELDS}, "intermediate_size": 2048}
 PREFIX = "model.language_model."
 
 
-def text_fields(layers: int, reduced: bool = False, overrides: dict | None = None) -> dict:
-    """The decoder's HF config fields: 35B-A3B width (or :data:`REDUCED`, then ``overrides``), ``layers`` layers,
-    every 4th one full attention."""
+def shape_fields(shape: str) -> dict:
+    """The text fields of a published size (:data:`SHAPES`) over :data:`tuning.bench_model.WIDTH`'s common ones
+    (norm epsilon, activation, ...): the MoE fields for the MoE sizes, ``intermediate_size`` for the dense 27B."""
+    if shape not in PRESETS:
+        raise ValueError(f"shape={shape!r}; accepted: {', '.join(SHAPES)}")
+    preset = PRESETS[shape]
+    fields = {k: v for k, v in WIDTH.items() if k not in MOE_FIELDS}
+    fields.update({k: preset[k] for k in SHAPE_FIELDS})
+    if "num_experts" in preset:
+        fields.update({k: preset[k] for k in MOE_FIELDS})
+    else:
+        fields["intermediate_size"] = preset["intermediate_size"]
+    return fields
+
+
+def is_dense(fields: dict) -> bool:
+    return "num_experts" not in fields
+
+
+def text_fields(layers: int, reduced: bool = False, overrides: dict | None = None, shape: str = "35b-a3b") -> dict:
+    """The decoder's HF config fields: ``shape``'s width (or :data:`REDUCED` / :data:`REDUCED_DENSE`, then
+    ``overrides``), ``layers`` layers, every 4th one full attention."""
     if layers < 1:
         raise ValueError(f"layers={layers} must be >= 1")
-    fields = {**WIDTH, **(REDUCED if reduced else {}), **(overrides or {})}
+    base = shape_fields(shape)
+    fields = {**base, **((REDUCED_DENSE if is_dense(base) else REDUCED) if reduced else {}), **(overrides or {})}
     fields.update(num_hidden_layers=layers, max_position_embeddings=MAX_POSITION, rope_parameters=dict(ROPE),
                   layer_types=["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)])
     return fields
@@ -106,8 +134,7 @@ def _tensors(fields: dict, seed: int, device: str) -> dict[str, torch.Tensor]:
         return torch.empty(*shape, device=device, dtype=torch.float32).normal_(mean, std, generator=g).to(bf16)
 
     f = fields
-    H, V, E, I, Is = f["hidden_size"], f["vocab_size"], f["num_experts"], f["moe_intermediate_size"], \
-        f["shared_expert_intermediate_size"]
+    H, V = f["hidden_size"], f["vocab_size"]
     HK, HV, K, Vd = f["linear_num_key_heads"], f["linear_num_value_heads"], f["linear_key_head_dim"], \
         f["linear_value_head_dim"]
     NH, KV, D = f["num_attention_heads"], f["num_key_value_heads"], f["head_dim"]
@@ -138,6 +165,12 @@ def _tensors(fields: dict, seed: int, device: str) -> dict[str, torch.Tensor]:
             out[sa + "q_norm.weight"] = normal(D)
             out[sa + "k_norm.weight"] = normal(D)
         mp = p + "mlp."
+        if is_dense(f):
+            out[mp + "gate_proj.weight"] = normal(f["intermediate_size"], H)
+            out[mp + "up_proj.weight"] = normal(f["intermediate_size"], H)
+            out[mp + "down_proj.weight"] = normal(H, f["intermediate_size"])
+            continue
+        E, I, Is = f["num_experts"], f["moe_intermediate_size"], f["shared_expert_intermediate_size"]
         out[mp + "gate.weight"] = normal(E, H, std=0.1)
         for e in range(E):
             out[mp + f"experts.{e}.gate_proj.weight"] = normal(I, H)
@@ -151,16 +184,17 @@ def _tensors(fields: dict, seed: int, device: str) -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(root: str | os.PathLike, layers: int = 8, seed: int = 0, reduced: bool = False,
-                     device: str = "cuda", shard_bytes: int = 4 << 30, overrides: dict | None = None) -> Path:
+                     device: str = "cuda", shard_bytes: int = 4 << 30, overrides: dict | None = None,
+                     shape: str = "35b-a3b") -> Path:
     """The checkpoint directory under ``root`` for these arguments, written first if it is not complete."""
     from safetensors.torch import save_file
-    from transformers import Qwen3_5MoeConfig
+    from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
     from serve.embedded.checkpoint import TEMPLATE_PATH
     from serve.embedded.tokenizer import CONTROL_TOKENS, EOS_TOKEN, PAD_TOKEN, tokenizer_config
 
-    fields = text_fields(layers, reduced, overrides)
-    path = Path(root) / f"qwen35moe-{layers}l{'-reduced' if reduced else ''}-{_digest(fields, seed)}"
+    fields = text_fields(layers, reduced, overrides, shape)
+    path = Path(root) / f"qwen35-{shape}-{layers}l{'-reduced' if reduced else ''}-{_digest(fields, seed)}"
     if (path / "DONE").is_file():
         return path
     t0 = time.perf_counter()
@@ -169,9 +203,10 @@ def write_checkpoint(root: str | os.PathLike, layers: int = 8, seed: int = 0, re
     ids = {t: tokenizer.token_to_id(t) for t in CONTROL_TOKENS}
     fields = dict(fields, eos_token_id=ids[EOS_TOKEN], pad_token_id=ids[PAD_TOKEN], bos_token_id=None)
     # the default tower (never built: --language-model-only), projecting to this decoder's width as the hub's does
-    config = Qwen3_5MoeConfig(text_config=fields, vision_config={"out_hidden_size": fields["hidden_size"]},
-                              tie_word_embeddings=False)
-    config.architectures = [ARCHITECTURE]
+    config_class = Qwen3_5Config if is_dense(fields) else Qwen3_5MoeConfig
+    config = config_class(text_config=fields, vision_config={"out_hidden_size": fields["hidden_size"]},
+                          tie_word_embeddings=False)
+    config.architectures = [DENSE_ARCHITECTURE if is_dense(fields) else ARCHITECTURE]
     config.save_pretrained(path)
     tokenizer.save(str(path / "tokenizer.json"), pretty=False)
     (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(MAX_POSITION), indent=2) + "\n")
@@ -214,11 +249,13 @@ def _hf_state(path: Path, fields: dict, device: str) -> dict[str, torch.Tensor]:
             for k in f.keys():  # noqa: SIM118 - safe_open has no __iter__
                 raw[k] = f.get_tensor(k)
     state = {}
-    E = fields["num_experts"]
     for name, t in raw.items():
         if ".mlp.experts." in name:
             continue
         state["model." + name[len(PREFIX):] if name.startswith(PREFIX) else name] = t
+    if is_dense(fields):
+        return state
+    E = fields["num_experts"]
     for i in range(fields["num_hidden_layers"]):
         p = f"{PREFIX}layers.{i}.mlp.experts."
         gate_up = torch.stack([torch.cat([raw[f"{p}{e}.gate_proj.weight"], raw[f"{p}{e}.up_proj.weight"]])
@@ -232,8 +269,9 @@ def _hf_state(path: Path, fields: dict, device: str) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def hf_logprobs(path: str | os.PathLike, prompts: list[list[int]], device: str = "cuda") -> list[list[float]]:
     """Teacher-forced fp32 log-probabilities of ``prompt[1:]`` for each prompt, from transformers'
-    ``Qwen3_5MoeForCausalLM`` with the checkpoint's weights (one prompt per forward: no padding)."""
-    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+    ``Qwen3_5MoeForCausalLM`` (``Qwen3_5ForCausalLM`` for a dense checkpoint) with the checkpoint's weights (one
+    prompt per forward: no padding)."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     path = Path(path)
     fields = json.loads((path / "config.json").read_text())["text_config"]
@@ -243,7 +281,10 @@ def hf_logprobs(path: str | os.PathLike, prompts: list[list[int]], device: str =
     try:
         with torch.device(device):
             # the experts' plain loop: grouped GEMMs are bf16 kernels
-            model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**fields, experts_implementation="eager")).eval()
+            if is_dense(fields):
+                model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**fields)).eval()
+            else:
+                model = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(**fields, experts_implementation="eager")).eval()
     finally:
         torch.set_default_dtype(default)
     state = {k: v.float() for k, v in _hf_state(path, fields, device).items()}

@@ -9,7 +9,16 @@ ends the group.
 Environment both engines need on the GPU machine: ``VLLM_USE_FLASHINFER_SAMPLER=0`` (FlashInfer is not carried;
 vLLM 0.26 imports it for its top-k/top-p sampler on CUDA otherwise) and, on the command line,
 ``--gdn-prefill-backend triton`` (vLLM's GDN prefill picks FlashInfer's JIT kernel on sm90 by default; our plugin
-does not use vLLM's GDN kernels, so the flag changes only the native engine).
+does not use vLLM's GDN kernels, so the flag changes only the native engine). Every server also gets NVLink
+multicast off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``, ``NVSHMEM_DISABLE_NVLS=1``, and
+``VLLM_ALLREDUCE_USE_SYMM_MEM=0``: on the lent multi-GPU machines a program using multicast can take the host's
+shared GPUs out of service) and ``QWEN35_REQUIRE_ACCELERATED=1`` (our plugin refuses to start when an op
+would run on the reference backend, instead of serving slowly and failing later in graph capture).
+
+Reading a server's log (:func:`backend_table`, :func:`first_traceback`, :func:`diagnosis`): the probe's per-op
+backend table each process logged, the first traceback (the root cause of a failed start: vLLM's engine core logs
+it before the API server's own), and one text per run with both and every log's tail, which :class:`LogMirror`
+rewrites every few seconds so that a run killed at its time limit still leaves it.
 """
 
 from __future__ import annotations
@@ -25,12 +34,19 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ENGINES = ("ours", "native")
 SERVED = "m"
+TOP_K = 5  # log-probs per greedy step: a bf16 tie of three or four tokens still shows both engines' picks
+# every server's environment on the GPU machines: NVLink multicast off (NCCL, torch symmetric memory, NVSHMEM; and
+# vLLM's symmetric-memory all-reduce, whose multimem path needs it, not tried at all), and our plugin refusing to
+# serve on the reference backend
+SERVER_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1",
+              "VLLM_ALLREDUCE_USE_SYMM_MEM": "0", "QWEN35_REQUIRE_ACCELERATED": "1"}
 _REPO = Path(__file__).resolve().parent.parent
 
 
@@ -47,7 +63,7 @@ def engine_env(engine: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update(VLLM_PLUGINS="qwen35" if engine == "ours" else "", VLLM_USE_FLASHINFER_SAMPLER="0",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               PYTHONUNBUFFERED="1")
+               PYTHONUNBUFFERED="1", **SERVER_ENV)
     path = env.get("PYTHONPATH", "")
     if str(_REPO) not in path.split(os.pathsep):
         env["PYTHONPATH"] = os.pathsep.join(p for p in (path, str(_REPO)) if p)
@@ -64,6 +80,7 @@ class Server:
     argv: list[str]
     started: float = field(default_factory=time.perf_counter)
     ready_s: float | None = None
+    failed: str | None = None  # why it did not start (set by wait_ready)
 
     @property
     def base_url(self) -> str:
@@ -153,6 +170,7 @@ def wait_ready(servers: list[Server], deadline: float, raise_on_failure: bool = 
                 except httpx.HTTPError:
                     pass
             if why is not None:
+                s.failed = why.splitlines()[0]
                 if raise_on_failure:
                     raise RuntimeError(why)
                 s.stop()
@@ -161,6 +179,144 @@ def wait_ready(servers: list[Server], deadline: float, raise_on_failure: bool = 
         if pending:
             time.sleep(1.0)
     return failed
+
+
+# ----------------------------------------------------------------------------- reading server logs
+
+# vLLM prefixes each line with the process ("(EngineCore pid=1014) ", "(Worker_TP1 pid=88) ") and, for its loggers,
+# the level, time and place ("INFO 12-04 17:21:55 [model.py:109] "); every line of a multi-line message gets both
+_PROC = re.compile(r"^\((?P<proc>[^()]*?)\)\s?")
+_LEVEL = re.compile(r"^(?P<level>DEBUG|INFO|WARNING|ERROR|CRITICAL) \d\d-\d\d \d\d:\d\d:\d\d(?:\.\d+)? \[[^\]]*\] ?")
+_TABLE_ROW = re.compile(r"^(?P<op>[a-z][a-z0-9_]*)\s+(?P<backend>[a-z][a-z0-9_]*)\s+(?P<reason>\S.*)$")
+
+
+def log_payload(line: str) -> tuple[str, str, str]:
+    """(process, level, text) of one log line with vLLM's prefixes taken off ("" where a prefix is absent)."""
+    proc = level = ""
+    m = _PROC.match(line)
+    if m:
+        proc, line = m.group("proc"), line[m.end():]
+    m = _LEVEL.match(line)
+    if m:
+        level, line = m.group("level"), line[m.end():]
+    return proc, level, line
+
+
+def backend_table(text: str) -> dict[str, dict[str, dict[str, str]]]:
+    """{device: {op: {"backend", "reason"}}} from the probe's reports in a server log ("qwen35 backends on ...:",
+    the device line, then the op table); one per process (tensor-parallel workers each log their own device)."""
+    tables: dict[str, dict[str, dict[str, str]]] = {}
+    state: dict[str, dict] = {}  # process -> {"device", "rows"}
+    for raw in text.splitlines():
+        proc, _, line = log_payload(raw)
+        head = re.match(r"^qwen35 backends on (\S+?):?$", line.strip())
+        if head:
+            state[proc] = {"device": head.group(1), "rows": False}
+            continue
+        st = state.get(proc)
+        if st is None:
+            continue
+        if not st["rows"]:
+            dev = re.match(r"^device\s+(\S+)", line)
+            if dev:
+                st["device"] = dev.group(1)
+            elif line.startswith("-" * 24):
+                st["rows"] = True
+            continue
+        row = _TABLE_ROW.match(line)
+        if row is None:
+            del state[proc]
+            continue
+        tables.setdefault(st["device"], {})[row.group("op")] = {"backend": row.group("backend"),
+                                                                "reason": row.group("reason")}
+    return tables
+
+
+def reference_ops(tables: dict[str, dict[str, dict[str, str]]]) -> dict[str, list[str]]:
+    """{device: ops on the reference backend} of :func:`backend_table`'s result (devices with none left out)."""
+    out = {dev: [op for op, r in rows.items() if r["backend"] == "reference"] for dev, rows in tables.items()}
+    return {dev: ops for dev, ops in out.items() if ops}
+
+
+def first_traceback(text: str, max_lines: int = 80) -> str | None:
+    """The first Python traceback in a log (prefixes taken off), up to and including its exception line; for a
+    failed start this is the engine core's root cause, which vLLM logs before the API server's own traceback."""
+    lines = [log_payload(raw)[2] for raw in text.splitlines()]
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call last)")), None)
+    if start is None:
+        return None
+    out, seen_frame = [lines[start]], False
+    for ln in lines[start + 1:]:
+        out.append(ln)
+        if ln.lstrip().startswith("File "):
+            seen_frame = True
+        elif seen_frame and ln and not ln[0].isspace() and not ln.startswith("Traceback"):
+            break  # the exception line
+    if len(out) > max_lines:
+        out = out[:8] + [f"... {len(out) - max_lines + 8} lines ..."] + out[-(max_lines - 8):]
+    return "\n".join(out)
+
+
+PLUGIN_NOTES = re.compile(r"qwen35.*(rejected|would run on the reference|could not be built|refuses)|qwen35: ")
+
+
+def diagnosis(servers: list[Server], tail: int = 60) -> str:
+    """One text for every server of a run: its command, state, the backends our plugin chose, qwen35's warnings and
+    errors, the first traceback of its log, and the log's last ``tail`` lines."""
+    parts = []
+    for s in servers:
+        text = s.log_path.read_text(errors="replace") if s.log_path.is_file() else ""
+        state = (f"up in {s.ready_s:.1f} s" if s.ready_s is not None else f"FAILED: {s.failed}" if s.failed
+                 else "running" if s.alive() else f"exited with {s.process.returncode}")
+        parts.append(f"===== {s.name} [{state}] {' '.join(s.argv[3:])}")
+        tables = backend_table(text)
+        for dev, rows in tables.items():
+            parts.append(f"backends on {dev}: " + ", ".join(f"{op}={r['backend']}" for op, r in rows.items()))
+        slow = {dev: ops for dev, ops in reference_ops(tables).items() if not dev.startswith("cpu")}
+        if slow:
+            parts.append(f"REFERENCE BACKEND on an accelerator: {slow}")
+        notes = [log_payload(ln)[2] for ln in text.splitlines() if PLUGIN_NOTES.search(ln)]
+        if notes:
+            parts.append("qwen35 notes:\n  " + "\n  ".join(notes[:40]))
+        tb = first_traceback(text)
+        if tb:
+            parts.append("first traceback:\n" + tb)
+        parts.append(f"--- last {tail} lines\n{s.log_tail(tail)}\n")
+    return "\n".join(parts) + "\n"
+
+
+class LogMirror:
+    """Keeps ``path`` (in the run's output folder) equal to :func:`diagnosis` of the servers it is told about:
+    rewritten every ``every`` seconds by a daemon thread and at once by :meth:`write` (a start that failed), each
+    time through a temporary file and a rename, so that a run killed at its time limit leaves the last full copy."""
+
+    def __init__(self, path: Path, every: float = 10.0) -> None:
+        self.path, self.every, self.servers = path, every, []
+        self._lock, self._stop = threading.Lock(), threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="log-mirror")
+        self._thread.start()
+
+    def add(self, servers: list[Server]) -> None:
+        with self._lock:
+            self.servers += servers
+        self.write()
+
+    def write(self) -> None:
+        with self._lock:
+            text = diagnosis(self.servers) if self.servers else "(no server started yet)\n"
+            tmp = self.path.with_name(f".{self.path.name}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, self.path)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.every):
+            with contextlib.suppress(Exception):  # a log being rotated or a server gone: the next round retries
+                self.write()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.write()
 
 
 # ----------------------------------------------------------------------------- requests
@@ -200,13 +356,13 @@ def teacher_forced(server: Server, prompts: list[list[int]]) -> list[dict]:
 
 
 def greedy(server: Server, prompts: list[list[int]], new_tokens: int, concurrency: int = 32) -> list[dict]:
-    """Per prompt: ``tokens`` (greedy ids, EOS ignored) and ``top`` ({id: logprob} of the two likeliest at each
+    """Per prompt: ``tokens`` (greedy ids, EOS ignored) and ``top`` ({id: logprob} of the TOP_K likeliest at each
     step, by this engine)."""
 
     def one(prompt: list[int]) -> dict:
         reply = _post(server.base_url + "/completions", {
             "model": SERVED, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
-            "logprobs": 2, "return_tokens_as_token_ids": True})
+            "logprobs": TOP_K, "return_tokens_as_token_ids": True})
         lp = reply["choices"][0]["logprobs"]
         tokens = [int(t.split(":", 1)[1]) for t in lp["tokens"]]
         top = [{int(k.split(":", 1)[1]): float(v) for k, v in step.items()} for step in lp["top_logprobs"]]
@@ -215,6 +371,37 @@ def greedy(server: Server, prompts: list[list[int]], new_tokens: int, concurrenc
         return {"tokens": tokens, "top": top}
 
     return _parallel(one, prompts, workers=concurrency)
+
+
+def stream_greedy(server: Server, prompts: list[list[int]], new_tokens: int, timeout: float = 300.0) -> list[dict]:
+    """:func:`greedy` through streamed replies, all prompts at once, with each one's timing: ``ttft_s``,
+    ``itl_max_s`` / ``itl_p50_s`` (gaps between token arrivals: a stall shows as a long one) and ``seconds``."""
+    import httpx
+
+    def one(prompt: list[int]) -> dict:
+        body = {"model": SERVED, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True,
+                "logprobs": TOP_K, "return_tokens_as_token_ids": True, "stream": True}
+        tokens, top, times, t0 = [], [], [], time.perf_counter()
+        with httpx.stream("POST", server.base_url + "/completions", json=body, timeout=timeout) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{server.name}: HTTP {r.status_code}: {r.read()[:500]!r}")
+            for line in r.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                lp = json.loads(line[6:])["choices"][0].get("logprobs") or {}
+                got = [int(t.split(":", 1)[1]) for t in lp.get("tokens") or []]
+                if got:
+                    times.append(time.perf_counter() - t0)
+                    tokens += got
+                    top += [{int(k.split(":", 1)[1]): float(v) for k, v in step.items()}
+                            for step in lp["top_logprobs"]]
+        if len(tokens) != new_tokens:
+            raise RuntimeError(f"{server.name}: {len(tokens)} tokens for max_tokens={new_tokens} with ignore_eos")
+        gaps = sorted(b - a for a, b in zip(times, times[1:], strict=False))
+        return {"tokens": tokens, "top": top, "ttft_s": times[0], "seconds": times[-1],
+                "itl_max_s": gaps[-1] if gaps else 0.0, "itl_p50_s": gaps[len(gaps) // 2] if gaps else 0.0}
+
+    return _parallel(one, prompts, workers=len(prompts))
 
 
 # ----------------------------------------------------------------------------- agreement
@@ -248,7 +435,7 @@ def greedy_agreement(a: list[dict], b: list[dict], near_tie: float = 0.15) -> di
     """Token match rate (same token at the same step), common-prefix rate, and at each first divergence the
     log-prob gap between the two engines' tokens as each engine saw it: a divergence is a near-tie when both gaps
     are at most ``near_tie`` nats (bf16 rounding can flip those), a clear one otherwise. A gap is ``inf`` when the
-    other engine's token is not among this engine's two likeliest."""
+    other engine's token is not among this engine's :data:`TOP_K` likeliest."""
     n = len(a[0]["tokens"])
     match = prefix = clear = 0
     gaps: list[float] = []

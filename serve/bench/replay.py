@@ -12,8 +12,9 @@ TTFT is the time to the first chunk with output (text, reasoning or a tool call)
 between such chunks, so a server that batches several tokens per chunk shows fewer, longer gaps.
 A parser that holds text back (markup it has not decided on, byte fragments of an unfinished
 UTF-8 character, which a random-weight model emits in long runs) shows as one long gap too. With
-`token_ids`, each request asks vLLM for `return_token_ids`: every sampled token then arrives in a
-chunk of its own, text or not, so ITL measures the engine's token cadence.
+`token_ids`, each request asks vLLM for `return_token_ids`: every chunk then lists the tokens it carries, text or
+not, so ITL counts every sampled token; the tokens of a chunk that carries several (vLLM merges the outputs a slow
+reader has not taken yet) count as arriving together, the first after the gap, the others with none.
 
 A request the server refuses with a 4xx status (a prompt longer than its context, a limit of its
 policy) is counted as refused, apart from the failures (5xx, broken streams, transport errors).
@@ -61,6 +62,8 @@ class RequestRecord:
     cached_tokens: int = 0
     usage_reported: bool = False
     output_chunks: int = 0
+    streamed_tokens: int = 0
+    """Token ids the chunks carried (with ``token_ids``; else 0)."""
     finish_reason: str | None = None
     error: str | None = None
     status: int | None = None
@@ -146,13 +149,16 @@ async def _send(client: httpx.AsyncClient, url: str, headers: dict, body: dict, 
                 for choice in chunk.get("choices") or []:
                     delta = choice.get("delta") or {}
                     shown = delta.get("content") or reasoning_of(delta) or delta.get("tool_calls")
-                    if shown or choice.get("token_ids"):
+                    ids = choice.get("token_ids") or ()
+                    if shown or ids:
                         if record.ttft is None:
                             record.ttft = now - record.start
                         else:
                             record.itl.append(now - last)
+                        record.itl.extend([0.0] * max(len(ids) - 1, 0))  # tokens that came in the same chunk
                         last = now
                         record.output_chunks += 1
+                        record.streamed_tokens += len(ids)
                     if choice.get("finish_reason") is not None:
                         record.finish_reason = choice["finish_reason"]
                         if record.ttft is None:
