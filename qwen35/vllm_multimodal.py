@@ -121,8 +121,11 @@ class Qwen35DummyInputsBuilder(mm.BaseDummyInputsBuilder):
     def get_dummy_mm_data(self, seq_len: int, mm_counts: Mapping[str, int], mm_options: Any = None) -> dict:
         side = self.info.largest_image_side()
         overrides = mm_options.get(IMAGE) if isinstance(mm_options, Mapping) else None
-        return {IMAGE: self._get_dummy_images(width=side, height=side, num_images=mm_counts.get(IMAGE, 0),
-                                              overrides=overrides)}
+        return {
+            IMAGE: self._get_dummy_images(
+                width=side, height=side, num_images=mm_counts.get(IMAGE, 0), overrides=overrides
+            )
+        }
 
     def get_dummy_processor_inputs(self, seq_len: int, mm_counts: Mapping[str, int], mm_options: Any = None) -> Any:
         """vLLM 0.26 asks the builder for the whole dummy request: the prompt as token ids, so no tokenizer is
@@ -130,8 +133,13 @@ class Qwen35DummyInputsBuilder(mm.BaseDummyInputsBuilder):
         return _dummy_inputs(self.info, seq_len, mm_counts, mm_options, self)
 
 
-def _dummy_inputs(info: Qwen35ProcessingInfo, seq_len: int, mm_counts: Mapping[str, int], mm_options: Any,
-                  builder: Qwen35DummyInputsBuilder) -> Any:
+def _dummy_inputs(
+    info: Qwen35ProcessingInfo,
+    seq_len: int,
+    mm_counts: Mapping[str, int],
+    mm_options: Any,
+    builder: Qwen35DummyInputsBuilder,
+) -> Any:
     images = info.parse_mm_data(builder.get_dummy_mm_data(seq_len, mm_counts, mm_options), validate=False)
     return mm.ProcessorInputs(prompt=_placeholder_ids(info.vision) * mm_counts.get(IMAGE, 0), mm_data_items=images)
 
@@ -164,19 +172,24 @@ class Qwen35ImageProcessor(mm.BaseMultiModalProcessor):
             return mm.BatchFeature({})
         items = mm_items[IMAGE]
         if not isinstance(items, mm.ImageProcessorItems):
-            raise ValueError(f"qwen35 takes images as pixels; {type(items).__name__} (precomputed image embeddings) "
-                             "are not supported")
+            raise ValueError(
+                f"qwen35 takes images as pixels; {type(items).__name__} (precomputed image embeddings) "
+                "are not supported"
+            )
         images = [_as_image(items.get(i)) for i in range(len(items))]
         processed = preprocess(images, self.info.image_config)
         return mm.BatchFeature({"pixel_values": processed.pixel_values, "image_grid_thw": processed.grid_thw})
 
     def _get_mm_fields_config(self, hf_inputs: Any, hf_processor_mm_kwargs: Mapping[str, object]) -> Mapping:
         grid = hf_inputs.get("image_grid_thw", torch.empty((0, 3), dtype=torch.int64))
-        return {"pixel_values": mm.MultiModalFieldConfig.flat_from_sizes(IMAGE, grid.prod(-1)),
-                "image_grid_thw": mm.MultiModalFieldConfig.batched(IMAGE, keep_on_cpu=True)}
+        return {
+            "pixel_values": mm.MultiModalFieldConfig.flat_from_sizes(IMAGE, grid.prod(-1)),
+            "image_grid_thw": mm.MultiModalFieldConfig.batched(IMAGE, keep_on_cpu=True),
+        }
 
-    def _get_prompt_updates(self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object],
-                            out_mm_kwargs: Any) -> Sequence[Any]:
+    def _get_prompt_updates(
+        self, mm_items: Any, hf_processor_mm_kwargs: Mapping[str, object], out_mm_kwargs: Any
+    ) -> Sequence[Any]:
         image_token, m2 = self.info.vision.image_token_id, self.info.vision.spatial_merge_size**2
 
         def tokens(item_idx: int) -> list[int]:
@@ -196,8 +209,10 @@ class Qwen35VisionForVllm(Qwen35ForVllm, mm.SupportsMultiModal):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__(vllm_config=vllm_config, prefix=prefix)
         if self.cfg.vision is None:
-            raise ValueError(f"qwen35: this {self.cfg.architecture} checkpoint has no vision_config; serve it as a "
-                             "*ForCausalLM checkpoint or add its vision tower")
+            raise ValueError(
+                f"qwen35: this {self.cfg.architecture} checkpoint has no vision_config; serve it as a "
+                "*ForCausalLM checkpoint or add its vision tower"
+            )
         mm_config = vllm_config.model_config.multimodal_config
         images_on = mm_config is None or mm_config.get_limit_per_prompt(IMAGE) > 0
         self.visual = VisionTower(self.cfg.vision, dtype=vllm_config.model_config.dtype).eval() if images_on else None
@@ -227,16 +242,24 @@ class Qwen35VisionForVllm(Qwen35ForVllm, mm.SupportsMultiModal):
             embeds = self.visual(pixels, grid)
         return tuple(split_by_image(embeds, grid, self.cfg.vision.spatial_merge_size))
 
-    def embed_input_ids(self, input_ids: torch.Tensor, multimodal_embeddings: Sequence[torch.Tensor] | None = None,
-                        *, is_multimodal: torch.Tensor | None = None) -> torch.Tensor:
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: Sequence[torch.Tensor] | None = None,
+        *,
+        is_multimodal: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token embeddings with the rows ``is_multimodal`` marks replaced by the image rows, in order."""
         h = self.model.embed_tokens(input_ids)
         if not multimodal_embeddings:
             return h
         if is_multimodal is None:
             raise ValueError("qwen35: image embeddings came without the mask of their rows (is_multimodal)")
-        rows = torch.cat([e.to(h.dtype) for e in multimodal_embeddings]) if len(multimodal_embeddings) > 1 \
+        rows = (
+            torch.cat([e.to(h.dtype) for e in multimodal_embeddings])
+            if len(multimodal_embeddings) > 1
             else multimodal_embeddings[0].to(h.dtype)
+        )
         mask = is_multimodal.to(h.device, non_blocking=True).unsqueeze(-1)
         return h.masked_scatter(mask, rows)
 
@@ -249,12 +272,12 @@ class Qwen35VisionForVllm(Qwen35ForVllm, mm.SupportsMultiModal):
         vision = self.cfg.vision
         grids = [f.data["image_grid_thw"].data.reshape(3).tolist() for f in features]
         offsets = [int(f.mm_position.offset) for f in features]
-        return mrope_positions(input_tokens, grids or None, vision.spatial_merge_size, vision.image_token_id,
-                               image_offsets=offsets or None)
+        return mrope_positions(
+            input_tokens, grids or None, vision.spatial_merge_size, vision.image_token_id, image_offsets=offsets or None
+        )
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Decoder and tower through one explicit mapping (qwen35.checkpoint, qwen35.vision_checkpoint)."""
         with torch.no_grad():
             load_weights(self.model, weights, logger=log, visual=self.visual)
         return {name for name, _ in self.named_parameters()}
-

@@ -163,7 +163,8 @@ class ServeConfig(BaseModel):
     hf_overrides: Mapping_ | None = opt(JSON)
     override_generation_config: Mapping_ | None = opt(JSON)
     limit_mm_per_prompt: Mapping_ | None = opt(
-        JSON, "vLLM option: most items of each medium one prompt may hold ({image: 16}; more is answered 400)")
+        JSON, "vLLM option: most items of each medium one prompt may hold ({image: 16}; more is answered 400)"
+    )
     allowed_media_domains: StrList | None = opt(NARGS, "vLLM option: the only hosts media URLs may be fetched from")
     # -- server ----------------------------------------------------------------------------------
     host: Str | None = opt(PLAIN, "vLLM option: address to bind")

@@ -77,12 +77,15 @@ class ImageRef:
 def _url_field(holder: dict, key: str, where: str) -> ImageRef:
     value = holder.get(key)
     if isinstance(value, dict):
+
         def put(url: str, value: dict = value) -> None:
             value["url"] = url
+
         return ImageRef(f"{where}.{key}.url", value.get("url"), put)
 
     def set_string(url: str) -> None:
         holder[key] = url
+
     return ImageRef(f"{where}.{key}", value, set_string)
 
 

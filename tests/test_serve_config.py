@@ -155,8 +155,10 @@ def test_plan_with_a_model_keeps_the_user_settings_and_adds_cpu_ones(monkeypatch
     fetching, _ = launcher.plan({**user, "fetch_images": True, "allowed_media_domains": ["img.example"]}, {},
                                 cpu=False)  # fmt: skip
     assert fetching["allowed_media_domains"] == ["img.example"], "fetching on: the user's hosts reach vLLM"
-    assert launcher.plan({**user, "allowed_media_domains": ["img.example"]}, {}, cpu=False)[0][
-        "allowed_media_domains"] == NO_FETCH_DOMAINS, "fetching off: vLLM may fetch from no host"
+    assert (
+        launcher.plan({**user, "allowed_media_domains": ["img.example"]}, {}, cpu=False)[0]["allowed_media_domains"]
+        == NO_FETCH_DOMAINS
+    ), "fetching off: vLLM may fetch from no host"
     cores = sorted(os.sched_getaffinity(0))
     if len(cores) >= 2:
         _, env = launcher.plan({"model": "/m", "tensor_parallel_size": 2}, {}, cpu=True)

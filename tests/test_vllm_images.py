@@ -187,8 +187,10 @@ def test_processor_from_vllms_registry_matches_our_processor(checkpoint):
     dummy = processor.get_dummy_mm_inputs({"image": 2})  # built from token ids: no tokenizer needed
     assert [p.length for p in dummy["mm_placeholders"]["image"]] == [16, 16]
     with pytest.raises((RuntimeError, ValueError)):  # two images, one placeholder: vLLM refuses the request
-        processor.apply(ProcessorInputs(prompt=[5, VS, IMG, VE], mm_data_items=processor.info.parse_mm_data(
-            {"image": images})), TimingContext(enabled=False))
+        processor.apply(
+            ProcessorInputs(prompt=[5, VS, IMG, VE], mm_data_items=processor.info.parse_mm_data({"image": images})),
+            TimingContext(enabled=False),
+        )
 
 
 # ----------------------------------------------------------------------------- slow: engines

@@ -39,10 +39,18 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="never send chat_template_kwargs.enable_thinking (reasoning checks then skip)",
     )
-    parser.add_argument("--vision", choices=["auto", "yes", "no"], default="auto",
-                        help="whether the model takes images (auto: the server's answer to one image decides)")
-    parser.add_argument("--max-images", type=int, default=16,
-                        help="the server's limit of images per request; one more must be refused (default %(default)s)")
+    parser.add_argument(
+        "--vision",
+        choices=["auto", "yes", "no"],
+        default="auto",
+        help="whether the model takes images (auto: the server's answer to one image decides)",
+    )
+    parser.add_argument(
+        "--max-images",
+        type=int,
+        default=16,
+        help="the server's limit of images per request; one more must be refused (default %(default)s)",
+    )
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per request (default %(default)s)")
     parser.add_argument("--list", action="store_true", help="list the checks and exit")
     parser.add_argument("--quiet", action="store_true", help="no per-check progress lines on stderr")

@@ -23,6 +23,7 @@ HUGE_SIDE = 9000  # 81 M pixels: above 8192 x 8192 and below the size at which P
 def png(width: int, height: int, seed: int = 0, rows: int | None = None) -> bytes:
     """An RGB PNG with a deterministic pattern; ``rows`` (fewer than ``height``) writes a header that promises
     more rows than the data holds (a decoder must refuse it before decoding, by its pixel count)."""
+
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
@@ -31,8 +32,9 @@ def png(width: int, height: int, seed: int = 0, rows: int | None = None) -> byte
         raw.append(0)  # filter: none
         raw.extend(bytes(((x * 7 + y * 13 + seed * 31 + c * 85) % 256) for x in range(width) for c in range(3)))
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(bytes(raw)))
-            + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(bytes(raw))) + chunk(b"IEND", b"")
+    )
 
 
 def data_url(data: bytes, mime: str = "image/png") -> str:
@@ -83,8 +85,12 @@ def image_accepted(suite: Suite) -> str:
     without = suite.chat(suite.request(messages=[{"role": "user", "content": [{"type": "text", "text": TEXT}]}],
                                        max_tokens=2))  # fmt: skip
     grown = usage(with_image)["prompt_tokens"] - usage(without)["prompt_tokens"]
-    expect(grown > 0, "usage.prompt_tokens", f"{usage(with_image)['prompt_tokens']} with an image, "
-                                             f"{usage(without)['prompt_tokens']} without: the image was not counted")
+    expect(
+        grown > 0,
+        "usage.prompt_tokens",
+        f"{usage(with_image)['prompt_tokens']} with an image, "
+        f"{usage(without)['prompt_tokens']} without: the image was not counted",
+    )
     return f"the image added {grown} prompt tokens"
 
 
@@ -141,4 +147,3 @@ def image_oversized(suite: Suite) -> str:
                                    "or the fetch failed), /health OK")  # fmt: skip
 def image_http_url(suite: Suite) -> str:
     return expect_refused(suite, image_request(suite, "http://qwen35-accept.invalid/picture.png"), "an http URL")
-

@@ -206,8 +206,12 @@ register_architecture(
 def _qwen35_vl_spec(vocab_size: int, max_position: int, seed: int = 0):
     from qwen35.tiny import TinySpec
 
-    return TinySpec(moe=False, conditional=True, seed=seed,
-                    overrides={"vocab_size": vocab_size, "max_position_embeddings": max_position})
+    return TinySpec(
+        moe=False,
+        conditional=True,
+        seed=seed,
+        overrides={"vocab_size": vocab_size, "max_position_embeddings": max_position},
+    )
 
 
 def _qwen35_vl_config(vocab_size: int, max_position: int, special_ids: dict[str, int]) -> dict:
@@ -215,12 +219,17 @@ def _qwen35_vl_config(vocab_size: int, max_position: int, special_ids: dict[str,
 
     config = config_json(_qwen35_vl_spec(vocab_size, max_position))
     del config["architectures"]
-    ids = dict(bos_token_id=special_ids[PAD_TOKEN], eos_token_id=special_ids[EOS_TOKEN],
-               pad_token_id=special_ids[PAD_TOKEN])
+    ids = dict(
+        bos_token_id=special_ids[PAD_TOKEN], eos_token_id=special_ids[EOS_TOKEN], pad_token_id=special_ids[PAD_TOKEN]
+    )
     config["text_config"].update(ids)
-    config.update(ids, image_token_id=special_ids["<|image_pad|>"], video_token_id=special_ids["<|video_pad|>"],
-                  vision_start_token_id=special_ids["<|vision_start|>"],
-                  vision_end_token_id=special_ids["<|vision_end|>"])
+    config.update(
+        ids,
+        image_token_id=special_ids["<|image_pad|>"],
+        video_token_id=special_ids["<|video_pad|>"],
+        vision_start_token_id=special_ids["<|vision_start|>"],
+        vision_end_token_id=special_ids["<|vision_end|>"],
+    )
     return config
 
 
@@ -242,9 +251,13 @@ def _qwen35_vl_files(config: dict) -> dict[str, str]:
 
 
 register_architecture(
-    ArchitectureWriter("Qwen3_5ForConditionalGeneration",
-                       "1-" + _source_digest("qwen35.tiny") + "-" + _source_digest("qwen35.vision_checkpoint"),
-                       _qwen35_vl_config, _qwen35_vl_weights, _qwen35_vl_files)
+    ArchitectureWriter(
+        "Qwen3_5ForConditionalGeneration",
+        "1-" + _source_digest("qwen35.tiny") + "-" + _source_digest("qwen35.vision_checkpoint"),
+        _qwen35_vl_config,
+        _qwen35_vl_weights,
+        _qwen35_vl_files,
+    )
 )
 
 
