@@ -52,6 +52,12 @@ class ServerProcess:
         """The server's root URL (where /health lives)."""
         return self.base_url.removesuffix("/v1")
 
+    def client(self, timeout: float = 120) -> httpx.Client:
+        """An HTTP client for the server's /v1 routes (relative paths such as ``chat/completions``), sending the
+        server's API key when it has one."""
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return httpx.Client(base_url=self.base_url + "/", headers=headers, timeout=timeout)
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

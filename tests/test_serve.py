@@ -71,8 +71,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.base_url + "/", headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=120) as c:  # fmt: skip
+    with server.client() as c:
         yield c
 
 

@@ -94,12 +94,14 @@ class Downstream:
             return JSONResponse({"ok": True})
 
         for path, model in BODY_MODELS.items():
+
             async def typed(body, request: Request) -> JSONResponse:
                 return await record(request)
 
             typed.__annotations__ = {"body": model, "request": Request, "return": JSONResponse}
             app.add_api_route(path, typed, methods=["POST"])
         for path in PLAIN_ROUTES:
+
             async def plain(request: Request) -> JSONResponse:
                 return await record(request)
 
@@ -159,8 +161,9 @@ BAD_IMAGES = [
 def test_bad_images_are_answered_400_naming_the_part(url, pattern):
     downstream = Downstream()
     reply = call(chat(image(data_url(photo(32, 32))), image(url)), downstream=downstream)
-    assert_400(reply, r"^messages\[0\]\.content\[2\]\.image_url\.url: " + pattern,
-               "messages[0].content[2].image_url.url")
+    assert_400(
+        reply, r"^messages\[0\]\.content\[2\]\.image_url\.url: " + pattern, "messages[0].content[2].image_url.url"
+    )
     assert downstream.bodies == [], "nothing reaches the engine"
 
 
@@ -170,8 +173,10 @@ def test_image_limits_from_vllm_and_the_config():
     assert_400(call(chat(image(url), image(url), image(url))),
                r"^3 images in one prompt; this server takes at most 2 \(limit_mm_per_prompt\); the first one over is "
                r"messages\[0\]\.content\[3\]\.image_url\.url$")  # fmt: skip
-    assert_400(call(chat(image(url)), config=model_config(limit=0)),
-               r"this server takes no images \(its image limit, limit_mm_per_prompt, is 0\)")
+    assert_400(
+        call(chat(image(url)), config=model_config(limit=0)),
+        r"this server takes no images \(its image limit, limit_mm_per_prompt, is 0\)",
+    )
     many = chat(*[image(url)] * 20)
     assert call(many, config=model_config(limit=None)).status_code == 200, "vLLM's default limit: 999"
     big = data_url(photo(200, 200))
@@ -198,8 +203,15 @@ def test_text_models_refuse_images_saying_why():
 
 def test_responses_anthropic_and_render_routes_check_their_images():
     bad = png(64, 64)[:200]
-    responses = {"model": "m", "input": [{"role": "user", "content": [
-        {"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": data_url(bad)}]}]}
+    responses = {
+        "model": "m",
+        "input": [
+            {
+                "role": "user",
+                "content": [{"type": "input_text", "text": "hi"}, {"type": "input_image", "image_url": data_url(bad)}],
+            }
+        ],
+    }
     assert_400(call(responses, "/v1/responses"), r"^input\[0\]\.content\[1\]\.image_url: corrupt PNG image")
     anthropic = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
@@ -266,13 +278,19 @@ def test_fetching_inlines_checked_images_and_refuses_failures():
         assert_400(call(chat(image(host.url + "/text")), fetch_images=True), r"the data is not an image")
         allowed = SimpleNamespace(allowed_media_domains=["127.0.0.1"])
         assert call(chat(image(host.url + "/pic.png")), fetch_images=True, args=allowed).status_code == 200
-        assert_400(call(chat(image(host.url + "/moved")), fetch_images=True, args=allowed),
-                   where + r".*: it redirects to localhost, which is not among allowed_media_domains$")
+        assert_400(
+            call(chat(image(host.url + "/moved")), fetch_images=True, args=allowed),
+            where + r".*: it redirects to localhost, which is not among allowed_media_domains$",
+        )
         others = SimpleNamespace(allowed_media_domains=["images.example"])
-        assert_400(call(chat(image(host.url + "/pic.png")), fetch_images=True, args=others),
-                   r"its host is not among this server's allowed_media_domains \(images\.example\)")
-        assert_400(call(chat(image("ftp://127.0.0.1/a.png")), fetch_images=True),
-                   r"unsupported image URL scheme 'ftp:'; send a data: URL or an http\(s\) URL")
+        assert_400(
+            call(chat(image(host.url + "/pic.png")), fetch_images=True, args=others),
+            r"its host is not among this server's allowed_media_domains \(images\.example\)",
+        )
+        assert_400(
+            call(chat(image("ftp://127.0.0.1/a.png")), fetch_images=True),
+            r"unsupported image URL scheme 'ftp:'; send a data: URL or an http\(s\) URL",
+        )
 
 
 def test_image_only_architectures_are_qwen35s_vision_checkpoints():
@@ -331,8 +349,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    with httpx.Client(base_url=server.base_url + "/", headers={"Authorization": f"Bearer {API_KEY}"},
-                      timeout=120) as c:  # fmt: skip
+    with server.client() as c:
         yield c
 
 
