@@ -607,6 +607,24 @@ def test_metadata_of_a_rewritten_cu_seqlens_is_not_trusted():
     assert_close(o, ro, TOL[torch.float32], "output")
 
 
+def test_metadata_of_an_inference_tensor_is_used():
+    """Under ``torch.inference_mode`` (how vLLM runs the model) ``cu_seqlens`` has no version counter: every way of
+    preparing the metadata works and the op uses the prepared table."""
+    lens, H, HV, K, V = [70, 0, 1, 30], 2, 2, 16, 16
+    d = _inputs(lens, H, HV, K, V, torch.float32)
+    ro, _ = ref.gdn_chunk_prefill(**_to64({k: v.cpu() for k, v in d.items()}),
+                                  cu_seqlens=cu_from_lens(lens, "cpu"), use_qk_l2norm=True)
+    offsets = [0, 70, 70, 71, 101]
+    chunk_indices = torch.tensor([[0, 0], [0, 1], [2, 0], [3, 0]], dtype=torch.int32, device=DEV)
+    with torch.inference_mode():
+        cu = cu_from_lens(lens, DEV)
+        assert cu.is_inference()
+        for kw in ({}, dict(offsets=offsets), dict(chunk_indices=chunk_indices)):
+            meta = kt.prepare_gdn_metadata(cu, **kw)
+            o, _ = kt.gdn_chunk_prefill(**d, cu_seqlens=cu, metadata=meta, use_qk_l2norm=True)
+            assert_close(o, ro, TOL[torch.float32], f"output, metadata from {sorted(kw) or 'cu_seqlens'}")
+
+
 def test_continuation_prefill_then_decode():
     """Prefill the first part into a pool slot, decode the rest token by token: same as one prefill."""
     T0, T1, H, HV, K, V = 70, 3, 1, 2, 16, 16

@@ -39,7 +39,7 @@ from kernels_triton._config import device_facts
 from kernels_triton._launch import DirectLauncher, launch_args
 from kernels_triton._util import cdiv, pow2
 from kernels_triton.gdn.common import grid_rows, load_tile
-from kernels_triton.gdn.metadata import CHUNK, GdnChunkMetadata
+from kernels_triton.gdn.metadata import CHUNK, GdnChunkMetadata, tensor_version
 from kernels_triton.gdn.prepare import workspace
 from kernels_triton.gdn.scan import _final_state, _initial_state, _state_tile_io
 
@@ -214,7 +214,8 @@ def segment_table(metadata: object | None, cu_seqlens: torch.Tensor | None, T: i
             found = _DENSE[key] = (_on_device(table, device), J)
         return found
     if (not isinstance(metadata, GdnChunkMetadata) or metadata.offsets is None
-            or metadata.version != cu_seqlens._version or metadata.cu_seqlens.data_ptr() != cu_seqlens.data_ptr()):
+            or metadata.version != tensor_version(cu_seqlens)
+            or metadata.cu_seqlens.data_ptr() != cu_seqlens.data_ptr()):
         return None
     key = ("cut", seg_chunks)
     found = metadata.derived.get(key)

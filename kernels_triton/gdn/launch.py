@@ -19,7 +19,7 @@ from kernels_triton._launch import DirectLauncher, replaced
 from kernels_triton._util import cdiv
 from kernels_triton.gdn import cut, streams
 from kernels_triton.gdn.common import MAX_HEAD_DIM, check_head_dims, gate_rows, grid_rows
-from kernels_triton.gdn.metadata import CHUNK, GdnChunkMetadata, chunk_bounds_on_device
+from kernels_triton.gdn.metadata import CHUNK, GdnChunkMetadata, chunk_bounds_on_device, tensor_version
 from kernels_triton.gdn.plan import OUTPUT_OPTIONS, Plan, plan_for, segment_cuts, sequence_groups
 from kernels_triton.gdn.prepare import PrepareArgs, _chunk_prepare_kernel
 from kernels_triton.gdn.scan import (
@@ -178,7 +178,7 @@ def _chunk_table(metadata: object | None, cu_seqlens: torch.Tensor, T: int, N: i
                              "on this batch's cu_seqlens")
         if single:
             return None, N
-        if metadata.version == cu_seqlens._version:
+        if metadata.version == tensor_version(cu_seqlens):
             return metadata.chunk_bounds, metadata.num_chunks
         return chunk_bounds_on_device(cu_seqlens, T) if N > 0 else (None, 0)  # written in place: may be stale
     if metadata is None:

@@ -37,6 +37,12 @@ class GdnChunkMetadata:
     derived: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
 
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s version counter, or -1 for an inference tensor (made under ``torch.inference_mode``, as vLLM runs
+    its models), which has none: metadata of such a tensor is trusted as prepared for its batch."""
+    return -1 if t.is_inference() else t._version
+
+
 def chunk_table(offsets: Sequence[int], out: np.ndarray | None = None) -> np.ndarray:
     """The chunk table of a batch, built on the host from the sequence offsets (``cu_seqlens``' values): int32
     ``[max(n, 1), 2]`` holding (first token, end token) of each of the n chunks, in order (one empty row when
@@ -86,11 +92,11 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offs
         n = chunk_indices.shape[0]
         if n == 0:
             return GdnChunkMetadata(torch.zeros(1, 2, dtype=torch.int32, device=cu_seqlens.device), 0, CHUNK,
-                                    cu_seqlens, cu_seqlens._version)
+                                    cu_seqlens, tensor_version(cu_seqlens))
         cu, seq = cu_seqlens.long(), chunk_indices[:, 0].long()
         start = cu[seq] + chunk_indices[:, 1].long() * CHUNK
         bounds = torch.stack([start, torch.minimum(start + CHUNK, cu[seq + 1])], dim=1).to(torch.int32)
-        return GdnChunkMetadata(bounds, n, CHUNK, cu_seqlens, cu_seqlens._version)
+        return GdnChunkMetadata(bounds, n, CHUNK, cu_seqlens, tensor_version(cu_seqlens))
     if table is not None:
         if offsets is None:
             raise ValueError("a chunk table on the device needs the offsets it was built from")
@@ -102,14 +108,14 @@ def prepare_gdn_metadata(cu_seqlens: torch.Tensor, chunk_size: int = 64, *, offs
             raise ValueError(f"table must be a contiguous int32 [{rows}, 2] tensor on {cu_seqlens.device} (the chunk "
                              f"table of offsets {list(offsets)[:8]}...), got {table.dtype} {list(table.shape)} on "
                              f"{table.device}")
-        return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, cu_seqlens._version, chunk_offs, tuple(offsets))
+        return GdnChunkMetadata(table, n, CHUNK, cu_seqlens, tensor_version(cu_seqlens), chunk_offs, tuple(offsets))
     offs = cu_seqlens.tolist() if offsets is None else list(offsets)
     chunk_offs = chunk_offsets(offs)
     n = chunk_offs[-1]
     host = torch.empty(max(n, 1), 2, dtype=torch.int32, pin_memory=cu_seqlens.is_cuda)
     chunk_table(offs, host.numpy())
-    return GdnChunkMetadata(host.to(cu_seqlens.device, non_blocking=True), n, CHUNK, cu_seqlens, cu_seqlens._version,
-                            chunk_offs, tuple(offs))
+    return GdnChunkMetadata(host.to(cu_seqlens.device, non_blocking=True), n, CHUNK, cu_seqlens,
+                            tensor_version(cu_seqlens), chunk_offs, tuple(offs))
 
 
 def chunk_bounds_on_device(cu_seqlens: torch.Tensor, T: int) -> tuple[torch.Tensor, int]:
