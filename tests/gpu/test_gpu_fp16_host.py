@@ -5,9 +5,11 @@ decode step against eager steps. Tiny 4-layer models (qwen35.tiny), dense and Mo
 Budgets:
 
 - 32 greedy tokens per prompt equal to the Triton backend's (both fp16). Where two candidates' logits lie within
-  fp16's rounding of each other, the two backends may break the tie differently; then the first difference must
-  be such a tie: the Triton model's logits of its token and of ours within NEAR_TIE on that prefix (logits are O(10)
-  here; one fp16 ulp at 16 is 0.016). Teacher-forced logits of the two backends on the same tokens: rel err <= 1e-2.
+  the two backends' fp16 difference of each other, they may break the tie differently; then at the first
+  difference, on the shared prefix, the two backends' logits are within 1e-2 of the largest logit (max abs) and
+  Triton's gap between the two tokens is within NEAR_TIE or twice that position's largest logit difference (the
+  flip is the backends' rounding, not a wrong token). Teacher-forced logits of the two backends on the same
+  tokens: rel err <= 1e-2.
 - Logits (a batched prefill's every row, then decode steps) vs the fp32 reference backend: rel err <= 1e-2, the CPU
   budget of tests/test_fp16_host.py (fp16 vs fp32 there: 2.2e-3 dense, 2.9e-3 MoE).
 - A captured decode step replays the eager step's logits within 1e-3.
@@ -89,16 +91,24 @@ def test_greedy_tokens_equal_the_triton_backends(fresh_probe, monkeypatch, ckpt)
     err = rel_err(torch.cat(forced_sm70), torch.cat(forced_triton))
     print(f"\n[fp16 host] cuda_sm70 vs triton, logits on Triton's tokens: rel err {err:.3e}")
     assert err <= LOGIT_TOL, f"rel err {err:.3e} > {LOGIT_TOL}"
-    _backend(monkeypatch, "triton")
     for i, (a, b) in enumerate(zip(got, want, strict=True)):
         if a == b:
             continue
         first = next(j for j in range(TOKENS) if a[j] != b[j])
-        logits = _logits(m, prompts[i] + b[:first])[-1]
-        gap = float(logits[b[first]] - logits[a[first]])
-        print(f"[fp16 host] prompt {i}: tokens differ from step {first} on; Triton's logits of the two: gap {gap:.4f}")
-        assert gap <= NEAR_TIE, (f"prompt {i}: cuda_sm70 token {a[first]} != Triton's {b[first]} at step {first}, "
-                                 f"which Triton's logits separate by {gap:.4f} > {NEAR_TIE}")
+        prefix = prompts[i] + b[:first]  # = prompts[i] + a[:first]
+        ours = _logits(m, prefix)[-1].float()  # cuda_sm70
+        _backend(monkeypatch, "triton")
+        theirs = _logits(m, prefix)[-1].float()
+        _backend(monkeypatch, "cuda_sm70")
+        gap = float(theirs[b[first]] - theirs[a[first]])
+        diff = float((ours - theirs).abs().max())
+        pos_err = diff / float(theirs.abs().max())
+        print(f"[fp16 host] prompt {i}: tokens differ from step {first} on; Triton's gap between the two {gap:.4f}, "
+              f"largest logit difference there {diff:.4f} ({pos_err:.2e} of the largest logit)")
+        assert pos_err <= LOGIT_TOL, f"prompt {i} step {first}: logits differ by {pos_err:.2e} > {LOGIT_TOL}"
+        assert gap <= max(NEAR_TIE, 2 * diff), (
+            f"prompt {i}: cuda_sm70 token {a[first]} != Triton's {b[first]} at step {first}, which Triton's logits "
+            f"separate by {gap:.4f} > max({NEAR_TIE}, 2 x {diff:.4f})")
     same = sum(a == b for a, b in zip(got, want, strict=True))
     print(f"[fp16 host] {same}/{len(prompts)} prompts: {TOKENS} greedy tokens identical to Triton's")
 
