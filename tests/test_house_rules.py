@@ -128,3 +128,13 @@ def f():
         assert any(expected in f for f in found), (expected, found)
     assert not any("__doc__" in f or "gdn_chunk_prefill" in f for f in found), found
     assert private_kernel_uses("from tuning import _bench\n_bench.time_ms(f)\n") == []  # tuning's own helpers
+
+
+README_MAX_BYTES = 16 * 1024
+
+
+def test_readme_stays_a_short_manual():
+    """The README is a user's manual: short (at most 16 KiB) and free of session narratives."""
+    text = (ROOT / "README.md").read_text()
+    assert len(text.encode()) <= README_MAX_BYTES, f"README.md is {len(text.encode())} bytes > {README_MAX_BYTES}"
+    assert not re.search(r"\bsession \d+", text, re.IGNORECASE), "README.md narrates a session"
